@@ -1,0 +1,43 @@
+# specserve: every target sets up its own venv from nothing (python3 -m venv + pip install -e .[test]).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+HOST ?= 127.0.0.1
+PORT ?= 8000
+ARGS ?=
+
+.PHONY: venv serve test test-fast bench-decode bench-spec gpu-check lint clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+serve: venv
+	$(BIN)/specserve serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: venv
+	$(BIN)/python -m pytest -q -ra
+
+bench-decode: venv
+	$(BIN)/python -m loadtest.bench_decode $(ARGS)
+
+bench-spec: venv
+	$(BIN)/python -m loadtest.bench_spec $(ARGS)
+
+# On a CUDA machine: flash-attn vs SDPA equivalence + a short decode benchmark (< 5 minutes).
+gpu-check: venv
+	$(BIN)/python -m pip install -q -e '.[gpu]' || echo "flash-attn did not install; SDPA path only"
+	$(BIN)/python -m pytest -q -m gpu tests/test_models_gpu.py
+	$(BIN)/python -m loadtest.bench_decode --device cuda --dtype bfloat16 --quick
+
+lint: venv
+	$(BIN)/python -m pip install -q ruff
+	$(BIN)/ruff check server speculators sampling loadtest tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Sampling: logits -> processed probabilities -> tokens, and the speculative rejection sampler."""

@@ -1,0 +1,38 @@
+"""Typed values crossing the sampler boundary (engine <-> sampling)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+from sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float                                        # the target model's log-probability of token_id
+    top: list[tuple[int, float]] = field(default_factory=list)   # top-N (token_id, logprob), best first
+
+
+@dataclass
+class SeqSamplingInput:
+    """One request's rows in the verification batch: rows = len(draft_token_ids) + 1 consecutive logits rows.
+
+    Row j is the target's next-token distribution after all_tokens + draft_token_ids[:j].
+    """
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]           # emitted before this step (drafts not included)
+    draft_token_ids: Sequence[int] = ()       # k_i >= 0 drafts being verified
+    draft_probs: "torch.Tensor | None" = None   # [k_i, vocab] float32, or None = deterministic (one-hot)
+    generator: "torch.Generator | None" = None  # per-request (seeded) generator; None -> global RNG
+
+
+@dataclass
+class SeqSamplingOutput:
+    token_ids: list[int]                      # 1 .. k_i + 1 tokens: accepted drafts + recovered/bonus token
+    num_accepted: int                         # drafts accepted (len(token_ids) - 1)
+    logprobs: list[TokenLogprob] | None = None   # one per emitted token when params.logprobs is not None

@@ -1,0 +1,92 @@
+"""The one place defaults live. Config flows one way: CLI -> EngineConfig/ServerConfig -> engine/app.
+
+Every field is validated once in `validate()`; unknown keys passed to `from_dict` are errors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from speculators.base import METHODS, SpecParams
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None               # HF-layout directory; None = the default (embedded) model
+    served_model_name: str | None = None   # name in /v1/models; default: the model dir's basename
+    dtype: str = "auto"                    # auto = bf16 where bf16 matmuls are fast (CUDA, AVX512-BF16/AMX), else fp32
+    device: str = "auto"                   # auto = cuda if available else cpu
+    block_size: int = 16                   # tokens per KV block
+    kv_cache_memory_gb: float = 1.0        # KV cache budget; number of blocks = budget // bytes per block
+    max_model_len: int | None = None       # default: the model's max_position_embeddings
+    max_num_seqs: int = 64                 # running requests per step
+    max_num_batched_tokens: int = 2048     # token budget per step (prefill chunks + decode + drafts)
+    max_speculative_tokens: int = 8        # upper bound on k a request may ask for
+    speculation: SpecParams = field(default_factory=SpecParams)   # server default for requests without one
+    draft_model: str | None = None
+    eagle3: str | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None         # torch intra-op threads on CPU; None = torch default
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError("kv_cache_memory_gb must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.max_speculative_tokens + 1:
+            raise ValueError("max_num_batched_tokens must be > max_speculative_tokens")
+        if not 0 <= self.max_speculative_tokens <= 64:
+            raise ValueError("max_speculative_tokens must be in [0, 64]")
+        if self.speculation.method not in METHODS:
+            raise ValueError(f"speculation method must be one of {METHODS}")
+        if not 0 <= self.speculation.num_speculative_tokens <= self.max_speculative_tokens:
+            raise ValueError("default speculation k must be in [0, max_speculative_tokens]")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None             # also from env SPECSERVE_API_KEY
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+def parse_speculation(text: str | dict[str, Any] | None) -> SpecParams:
+    """Parse the `speculation` JSON (flag or request field) into SpecParams; unknown methods are errors.
+
+    Example: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+      -> SpecParams("ngram", 4, {"prompt_lookup_max": 3})
+    """
+    if text is None:
+        return SpecParams()
+    data = json.loads(text) if isinstance(text, str) else dict(text)
+    if not isinstance(data, dict):
+        raise ValueError("speculation must be a JSON object")
+    method = data.pop("method", "none")
+    if method not in METHODS:
+        raise ValueError(f"unknown speculation method {method!r}; expected one of {list(METHODS)}")
+    k = data.pop("num_speculative_tokens", 0 if method == "none" else 4)
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise ValueError("num_speculative_tokens must be an integer")
+    return SpecParams(method=method, num_speculative_tokens=k, options=data)
+
+
+def config_fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]

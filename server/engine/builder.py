@@ -1,0 +1,116 @@
+"""Builds an Engine from EngineConfig: device and dtype choice, model + tokenizer loading, KV sizing."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from server.config import EngineConfig
+from server.engine.block_manager import BlockManager
+from server.engine.engine import Engine
+from server.engine.kv_cache import num_blocks_for_budget
+from server.engine.model_runner import ModelRunner
+from server.engine.scheduler import Scheduler
+from server.engine.spec_dispatch import SpecDispatcher
+from server.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EMBEDDED_TARGET = REPO_ROOT / "models" / "target"
+EMBEDDED_TOKENIZER = REPO_ROOT / "models" / "tokenizer"
+
+# The stand-in default until the embedded family ships: ~30M-parameter Llama, random weights.
+RANDOM_DEFAULT = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512,
+                      intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, tie_word_embeddings=True)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA; on CPU bf16 only where a quick matmul probe shows it is faster than fp32."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    a32 = torch.randn(1, 1024)
+    w32 = torch.randn(1024, 1024)
+    a16, w16 = a32.bfloat16(), w32.bfloat16()
+
+    def bench(a, w) -> float:
+        for _ in range(3):
+            a @ w
+        t = time.perf_counter()
+        for _ in range(50):
+            a @ w
+        return time.perf_counter() - t
+    t32, t16 = bench(a32, w32), bench(a16, w16)
+    dtype = torch.bfloat16 if t16 < 0.8 * t32 else torch.float32
+    log.info("dtype auto on CPU: bf16 matvec %.2fx fp32 speed -> %s", t32 / t16, dtype)
+    return dtype
+
+
+def resolve_model_dir(cfg: EngineConfig) -> tuple[Path | None, Path]:
+    """(model dir or None for the random stand-in, tokenizer dir)."""
+    if cfg.model is not None:
+        path = Path(cfg.model)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model {path}: no config.json there (expected a HF-layout directory)")
+        return path, path
+    if (EMBEDDED_TARGET / "config.json").is_file():
+        return EMBEDDED_TARGET, EMBEDDED_TARGET
+    return None, EMBEDDED_TOKENIZER
+
+
+def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
+    from sampling.rejection import RejectionSampler
+    from server.models.config import ModelConfig
+    from server.models.loader import build_random_model, load_model
+
+    cfg.validate()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    model_dir, tok_dir = resolve_model_dir(cfg)
+    tokenizer = Tokenizer(str(tok_dir))
+    if model_dir is None:
+        mcfg = ModelConfig.from_dict({**RANDOM_DEFAULT, "vocab_size": tokenizer.vocab_size})
+        model = build_random_model(mcfg, seed=cfg.seed, dtype=dtype, device=device)
+        name = "specserve-random-llama"
+        log.warning("no --model and no embedded model in %s: serving a ~30M Llama with RANDOM weights "
+                    "(text will be gibberish)", EMBEDDED_TARGET)
+    else:
+        model, mcfg = load_model(str(model_dir), dtype=dtype, device=device)
+        name = model_dir.name
+    if mcfg.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {mcfg.vocab_size}")
+    max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    budget = int(cfg.kv_cache_memory_gb * (1 << 30))
+    num_blocks = num_blocks_for_budget(mcfg, cfg.block_size, dtype, budget)
+    log.info("model %s: %s, %s on %s, %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
+             name, mcfg.architecture, dtype, device, num_blocks, cfg.block_size,
+             cfg.kv_cache_memory_gb, max_len)
+    runner = ModelRunner(model, mcfg, num_blocks, cfg.block_size, dtype, device)
+    bm = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+    sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len)
+    sampler = RejectionSampler(eos_token_ids=tokenizer.eos_token_ids)
+    spec = SpecDispatcher(build_speculators(cfg, runner, tokenizer))
+    return Engine(runner, sched, tokenizer, sampler, spec, max_len), cfg.served_model_name or name
+
+
+def build_speculators(cfg: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer) -> dict:
+    """method -> Speculator for everything this server can offer (grows with speculators/)."""
+    from speculators.ngram import NgramSpeculator
+    from speculators.prediction import PredictionSpeculator
+    del cfg, runner, tokenizer
+    return {"ngram": NgramSpeculator(), "prediction": PredictionSpeculator()}
+

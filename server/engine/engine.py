@@ -1,0 +1,190 @@
+"""Engine: one synchronous step = schedule -> propose -> verify forward -> sample -> update. No asyncio.
+
+Plain decoding is the k = 0 case of the same step: a request without speculation verifies zero drafts.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sampling.outputs import SeqSamplingInput, SeqSamplingOutput
+from sampling.params import SamplingParams
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.errors import ContextLengthError
+from server.engine.model_runner import ModelRunner, StepResult
+from server.engine.outputs import RequestOutput
+from server.engine.output_builder import build_output, prompt_logprobs_rows, request_timings
+from server.engine.request import Request
+from server.engine.scheduler import ScheduledSeq, Scheduler
+from server.engine.spec_dispatch import SpecDispatcher
+from server.engine.stats import StepStats
+from server.engine.tokenizer import Tokenizer
+from speculators.base import SpecParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    """Engine-side state of a request that the scheduler does not need."""
+    request: Request
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    last_emit_time: float | None = None
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer: Tokenizer, sampler,
+                 spec: SpecDispatcher, max_model_len: int) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.spec = spec
+        self.max_model_len = max_model_len
+        self.live: dict[str, _Live] = {}
+        self._aborted: list = []      # RequestTimings of aborts, reported with the next step's stats
+
+    # -- requests --------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; send at least one token")
+        vocab = self.runner.cfg.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        params.validate(vocab)
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
+                f"{len(prompt_token_ids)} prompt tokens and max_tokens={params.max_tokens} "
+                f"({total} in total). Shorten the prompt or lower max_tokens.")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    spec: SpecParams, prediction_token_ids: list[int] | None = None,
+                    prompt_logprobs: bool = False) -> None:
+        if request_id in self.live:
+            raise ValueError(f"duplicate request id {request_id}")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, spec,
+                      prediction_token_ids=prediction_token_ids, needs_prompt_logprobs=prompt_logprobs)
+        gen = None
+        if params.seed is not None and not params.greedy:
+            gen = torch.Generator(device=self.runner.device)
+            gen.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.tokenizer.eos_token_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, list(params.stop), params.include_stop_str_in_output)
+        self.live[request_id] = _Live(req, detok, gen, frozenset(stop_ids))
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        live = self.live.pop(request_id, None)
+        if live is None:
+            return None
+        self.scheduler.abort(live.request)
+        self.spec.release(live.request)
+        self._aborted.append(request_timings(live.request, time.monotonic()))
+        return build_output(live.request, [], "", None, finished=True)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        sched = self.scheduler.schedule()
+        stats = StepStats(num_preemptions=len(sched.preempted), spec_refused=dict(sched.spec_reduced))
+        stats.finished, self._aborted = self._aborted, []
+        for req in sched.preempted:
+            self.spec.release(req)
+        outputs: list[RequestOutput] = []
+        if sched.seqs:
+            drafts, draft_probs = self.spec.propose(sched.seqs, stats)
+            batch = self.runner.prepare(sched.seqs, drafts)
+            result = self.runner.execute(batch)
+            outputs = self._sample_and_update(sched.seqs, drafts, draft_probs, result, stats)
+        self.scheduler.remove_finished()
+        stats.num_running = len(self.scheduler.running)
+        stats.num_waiting = len(self.scheduler.waiting)
+        stats.kv_cache_usage = self.scheduler.bm.usage
+        return outputs, stats
+
+    def _sample_and_update(self, seqs: list[ScheduledSeq], drafts: list[list[int]], draft_probs: list,
+                           result: StepResult, stats: StepStats) -> list[RequestOutput]:
+        batch = result.batch
+        inputs: list[SeqSamplingInput] = []
+        rows: list[torch.Tensor] = []
+        for i, seq in enumerate(seqs):
+            if not seq.samples:
+                continue
+            req = seq.request
+            start = batch.row_starts[i] + batch.num_prompt_rows[i]
+            rows.append(torch.arange(start, start + 1 + len(drafts[i])))
+            inputs.append(SeqSamplingInput(
+                params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids, draft_token_ids=drafts[i],
+                draft_probs=draft_probs[i], generator=self.live[req.request_id].generator))
+        sampled: list[SeqSamplingOutput] = []
+        if inputs:
+            row_idx = torch.cat(rows).to(result.logits.device)
+            sampled = self.sampler(result.logits.index_select(0, row_idx), inputs)
+        self.spec.update([s.request for s in seqs if s.samples], sampled,
+                         [d for d, s in zip(drafts, seqs) if s.samples], stats)
+        outputs: list[RequestOutput] = []
+        it = iter(sampled)
+        now = time.monotonic()
+        for i, seq in enumerate(seqs):
+            req = seq.request
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                stats.num_prompt_tokens += min(seq.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
+            plp = prompt_logprobs_rows(req, seq, batch, i, result.logits) if batch.num_prompt_rows[i] else None
+            if seq.samples:
+                out = self._emit(seq, next(it), now, plp, stats)
+                stats.num_generation_tokens += len(out.token_ids)
+                outputs.append(out)
+            else:
+                self.scheduler.update(seq, 0, [])
+                if plp:
+                    outputs.append(build_output(req, [], "", None, prompt_logprobs=plp))
+        return outputs
+
+    def _emit(self, seq: ScheduledSeq, out: SeqSamplingOutput, now: float, plp,
+              stats: StepStats) -> RequestOutput:
+        req = seq.request
+        live = self.live[req.request_id]
+        params = req.sampling_params
+        emitted: list[int] = []
+        reason = None
+        for tok in out.token_ids:
+            emitted.append(tok)
+            n_out = req.num_output_tokens + len(emitted)
+            stop_str = live.detok.append(tok)
+            if tok in live.stop_ids and n_out > params.min_tokens:
+                reason, req.stop_reason = "stop", tok
+            elif stop_str is not None:
+                reason, req.stop_reason = "stop", stop_str
+            elif n_out >= params.max_tokens or req.num_tokens + len(emitted) >= self.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        self.scheduler.update(seq, out.num_accepted, emitted)
+        logprobs = out.logprobs[:len(emitted)] if out.logprobs is not None else None
+        if req.first_token_time is None:
+            req.first_token_time = now
+        elif live.last_emit_time is not None:
+            req.itl.append(now - live.last_emit_time)
+        live.last_emit_time = now
+        if reason:
+            self.scheduler.finish(req, reason)
+            self.live.pop(req.request_id, None)
+            self.spec.release(req)
+            stats.finished.append(request_timings(req, now))
+        text = live.detok.delta(finished=reason is not None)
+        return build_output(req, emitted, text, logprobs, finished=reason is not None, prompt_logprobs=plp)

@@ -1,0 +1,90 @@
+"""ModelRunner: turns a scheduled step into ONE varlen target forward and returns the logits rows.
+
+For every scheduled request the query is all_token_ids[num_computed:num_computed+num_new] followed by
+its drafts, i.e. a prefill chunk, [last_token] (plain decode), or [last_token, d_1..d_k] (verify).
+Logits are computed only for rows that are sampled: the last 1 + k rows of a request that reaches the
+end of its known tokens (all rows of the chunk when prompt logprobs were asked).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.kv_cache import allocate_kv_cache
+from server.engine.scheduler import ScheduledSeq
+from server.models.attention import AttentionMetadata, build_attention_metadata
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor          # [num_tokens] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor     # [num_rows] int64, indices into the token dimension
+    row_starts: list[int]            # per seq: first logits row (or -1 when the seq does not sample)
+    num_rows: list[int]              # per seq: logits rows (k_i + 1 sampled rows, + prompt rows)
+    num_prompt_rows: list[int]       # per seq: leading rows used only for prompt logprobs
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor             # [num_rows, vocab] float32
+    aux_hidden: list[torch.Tensor]   # per aux layer [num_tokens, hidden] (EAGLE-3), empty otherwise
+    hidden: torch.Tensor             # [num_tokens, hidden] final-normed
+    batch: StepBatch
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cfg, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype, device)
+        self.aux_layer_ids: tuple[int, ...] = ()    # set by the EAGLE-3 speculator when loaded
+
+    def prepare(self, seqs: list[ScheduledSeq], drafts: list[list[int]]) -> StepBatch:
+        input_ids: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_idx: list[int] = []
+        row_starts: list[int] = []
+        num_rows: list[int] = []
+        num_prompt_rows: list[int] = []
+        for seq, draft in zip(seqs, drafts):
+            req = seq.request
+            start = req.num_computed_tokens
+            known = req.token_slice(start, start + seq.num_new_tokens)
+            q = len(known) + len(draft)
+            offset = len(input_ids)
+            input_ids.extend(known)
+            input_ids.extend(draft)
+            query_lens.append(q)
+            seq_lens.append(start + q)
+            n_prompt = 0
+            if req.needs_prompt_logprobs and start < req.num_prompt_tokens:
+                n_prompt = len(known) - (1 if seq.samples else 0)
+            n_sample = 1 + len(draft) if seq.samples else 0
+            if n_prompt + n_sample:
+                row_starts.append(len(logits_idx))
+                first = offset + q - n_sample - n_prompt
+                logits_idx.extend(range(first, offset + q))
+            else:
+                row_starts.append(-1)
+            num_rows.append(n_prompt + n_sample)
+            num_prompt_rows.append(n_prompt)
+        attn = build_attention_metadata(query_lens, seq_lens, [s.request.block_ids for s in seqs],
+                                        self.block_size, self.device)
+        return StepBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            attn=attn,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=self.device),
+            row_starts=row_starts, num_rows=num_rows, num_prompt_rows=num_prompt_rows)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepResult:
+        hidden, aux = self.model(batch.input_ids, batch.attn, self.kv_caches, self.aux_layer_ids)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])   # [num_rows, vocab] fp32
+        return StepResult(logits=logits, aux_hidden=aux, hidden=hidden, batch=batch)

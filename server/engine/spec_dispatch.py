@@ -1,0 +1,86 @@
+"""Routes each scheduled request to the speculator it chose and books speculation statistics.
+
+Requests with different methods and k share the step; each method proposes once for its group.
+A request whose speculator proposes fewer than its k (e.g. no n-gram match) verifies fewer drafts;
+a step where it proposes none is a plain decode step for that request.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from sampling.outputs import SeqSamplingOutput
+from server.engine.request import Request
+from server.engine.scheduler import ScheduledSeq
+from server.engine.stats import SpecStepStats, StepStats
+
+
+class SpecDispatcher:
+    def __init__(self, speculators: dict | None = None) -> None:
+        self.speculators = dict(speculators or {})    # method -> Speculator
+
+    @property
+    def methods(self) -> list[str]:
+        return ["none", *self.speculators]
+
+    def validate(self, spec) -> None:
+        """Reject method options the chosen speculator does not understand (ValueError -> HTTP 400)."""
+        if spec.method == "none":
+            if spec.options:
+                raise ValueError(f"speculation method 'none' takes no options, got {sorted(spec.options)}")
+            return
+        self.speculators[spec.method].validate(spec.options)
+
+    def propose(self, seqs: list[ScheduledSeq], stats: StepStats
+                ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[torch.Tensor | None] = [None for _ in seqs]
+        groups: dict[str, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            if seq.num_draft_slots > 0:
+                groups.setdefault(seq.request.spec_params.method, []).append(i)
+        for method, idx in groups.items():
+            spec = self.speculators[method]
+            proposal = spec.propose([seqs[i].request for i in idx], [seqs[i].num_draft_slots for i in idx])
+            for j, i in enumerate(idx):
+                k = seqs[i].num_draft_slots
+                drafts[i] = list(proposal.token_ids[j][:k])
+                p = proposal.draft_probs[j]
+                probs[i] = p[:len(drafts[i])] if p is not None else None
+        return drafts, probs
+
+    def update(self, requests: Sequence[Request], sampled: Sequence[SeqSamplingOutput],
+               drafts: Sequence[list[int]], stats: StepStats) -> None:
+        """Book per-request and per-step counters; let stateful speculators catch up.
+
+        requests/sampled/drafts are aligned: the requests that sampled this step.
+        """
+        by_method: dict[str, tuple[list[Request], list[int]]] = {}
+        for req, out, d in zip(requests, sampled, drafts):
+            method = req.spec_params.method
+            req.spec_stats.record(len(d), out.num_accepted)
+            if d:
+                self._book_step(stats.spec.setdefault(method, SpecStepStats()), len(d), out.num_accepted)
+            if method in self.speculators:
+                grp = by_method.setdefault(method, ([], []))
+                grp[0].append(req)
+                grp[1].append(out.num_accepted)
+        for method, (reqs, accepted) in by_method.items():
+            self.speculators[method].update(reqs, accepted)
+
+    @staticmethod
+    def _book_step(st: SpecStepStats, num_draft: int, num_accepted: int) -> None:
+        st.num_drafts += 1
+        st.num_draft_tokens += num_draft
+        st.num_accepted_tokens += num_accepted
+        if len(st.accepted_per_pos) < num_draft:
+            st.accepted_per_pos.extend([0] * (num_draft - len(st.accepted_per_pos)))
+        for p in range(num_accepted):
+            st.accepted_per_pos[p] += 1
+        st.tokens_per_step.append(num_accepted + 1)
+
+    def release(self, request: Request) -> None:
+        spec = self.speculators.get(request.spec_params.method)
+        if spec is not None:
+            spec.release(request)

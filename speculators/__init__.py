@@ -1,0 +1,1 @@
+"""Speculators: per-request draft proposers behind one interface (base.Speculator)."""

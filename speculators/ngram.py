@@ -1,0 +1,64 @@
+"""N-gram / prompt-lookup speculator: propose what followed the longest earlier match of the context's
+suffix (prompt + output). Deterministic drafts (draft_probs None), exact under rejection sampling.
+
+Options (request `speculation` object): prompt_lookup_min (default 1), prompt_lookup_max (default 4).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from speculators.base import DraftProposal
+from speculators.ngram_match import TokenBuffer, longest_match
+
+DEFAULT_MIN = 1
+DEFAULT_MAX = 4
+MAX_LOOKUP = 16
+
+
+def lookup_bounds(options: dict) -> tuple[int, int]:
+    lo = options.get("prompt_lookup_min", DEFAULT_MIN)
+    hi = options.get("prompt_lookup_max", max(DEFAULT_MAX, lo) if isinstance(lo, int) else DEFAULT_MAX)
+    for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_LOOKUP:
+            raise ValueError(f"{name} must be an integer in [1, {MAX_LOOKUP}], got {v!r}")
+    if lo > hi:
+        raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+    return lo, hi
+
+
+class NgramSpeculator:
+    name = "ngram"
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, TokenBuffer] = {}
+
+    def validate(self, options: dict) -> None:
+        unknown = set(options) - {"prompt_lookup_min", "prompt_lookup_max"}
+        if unknown:
+            raise ValueError(f"unknown ngram speculation options {sorted(unknown)}; "
+                             "expected prompt_lookup_min, prompt_lookup_max")
+        lookup_bounds(options)
+
+    def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
+        drafts: list[list[int]] = []
+        for req, k in zip(requests, ks):
+            ctx = self._context(req)                         # [L]
+            lo, hi = lookup_bounds(req.spec_params.options)
+            # search everything but the last token, so the suffix cannot match itself
+            start = longest_match(ctx[:-1], ctx, lo, hi, want=k)
+            drafts.append(ctx[start:start + k].tolist() if start >= 0 else [])
+        return DraftProposal(drafts, [None] * len(drafts))
+
+    def _context(self, req):
+        buf = self._buffers.get(req.request_id)
+        if buf is None or buf.size > req.num_tokens:
+            buf = self._buffers[req.request_id] = TokenBuffer(req.all_token_ids)
+        elif buf.size < req.num_tokens:
+            buf.extend(req.token_slice(buf.size, req.num_tokens))
+        return buf.view()
+
+    def update(self, requests: Sequence, num_accepted: Sequence[int]) -> None:
+        return None
+
+    def release(self, request) -> None:
+        self._buffers.pop(request.request_id, None)

@@ -1,0 +1,63 @@
+"""Longest-suffix n-gram matching over token arrays (numpy, no Python loop over the context).
+
+`longest_match(source, tail, min_n, max_n)` finds the longest n in [min_n, max_n] such that the last
+n tokens of `tail` occur in `source`, and returns the index in `source` right after the chosen
+occurrence (where the continuation starts), or -1.
+
+Worked example: source = [5, 1, 2, 3, 9, 1, 2, 7], tail = [..., 1, 2], max_n 3:
+  candidates ending with 2: indices 2 and 6; extend backwards: source[1] == 1 and source[5] == 1 match,
+  source[0]=5 / source[4]=9 differ from tail[-3] -> n = 2 at both; the latest occurrence whose
+  continuation is long enough wins: index 6 -> continuation starts at 7.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def longest_match(source: np.ndarray, tail: np.ndarray, min_n: int, max_n: int, want: int = 1) -> int:
+    """source: [S] int64, tail: [T] int64. Returns the continuation start in source, or -1.
+
+    Among occurrences of the longest match, prefer the latest one with >= `want` tokens after it
+    (recent context predicts best), else the latest one.
+    """
+    if len(tail) == 0 or len(source) == 0 or max_n < 1:
+        return -1
+    max_n = min(max_n, len(tail))
+    cand = np.flatnonzero(source == tail[-1])          # [C] end positions of length-1 matches
+    if len(cand) == 0:
+        return -1
+    n = 1
+    while n < max_n:
+        prev = cand - n
+        ok = prev >= 0
+        ok[ok] = source[prev[ok]] == tail[-1 - n]
+        if not ok.any():
+            break
+        cand = cand[ok]
+        n += 1
+    if n < min_n:
+        return -1
+    starts = cand + 1                                   # continuation starts
+    roomy = starts[starts + want <= len(source)]
+    return int(roomy[-1] if len(roomy) else starts[-1])
+
+
+class TokenBuffer:
+    """A request's growing context as a numpy array, appended incrementally (no per-step list copy)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.data = np.empty(max(64, 2 * len(tokens)), dtype=np.int64)   # [capacity]
+        self.size = 0
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        need = self.size + len(tokens)
+        if need > len(self.data):
+            grown = np.empty(max(need, 2 * len(self.data)), dtype=np.int64)
+            grown[:self.size] = self.data[:self.size]
+            self.data = grown
+        self.data[self.size:need] = tokens
+        self.size = need
+
+    def view(self) -> np.ndarray:
+        return self.data[:self.size]
