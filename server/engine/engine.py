@@ -64,6 +64,15 @@ class Engine:
                 f"this model's maximum context length is {self.max_model_len} tokens; the request has "
                 f"{len(prompt_token_ids)} prompt tokens and max_tokens={params.max_tokens} "
                 f"({total} in total). Shorten the prompt or lower max_tokens.")
+        self._check_fits_kv(total)
+
+    def _check_fits_kv(self, num_tokens: int) -> None:
+        bm = self.scheduler.bm
+        need = -(-num_tokens // bm.block_size)
+        if need > bm.num_blocks:
+            raise ContextLengthError(
+                f"the request needs {num_tokens} tokens of KV cache but the server's cache holds "
+                f"{bm.num_blocks * bm.block_size}; lower max_tokens or raise --kv-cache-memory-gb")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     spec: SpecParams, prediction_token_ids: list[int] | None = None,
@@ -105,6 +114,13 @@ class Engine:
         for req in sched.preempted:
             self.spec.release(req)
         outputs: list[RequestOutput] = []
+        if not sched.seqs and not self.scheduler.running and self.scheduler.waiting:
+            # Nothing runs and the head cannot be admitted with every block free: it can never run.
+            # Admission checks make this unreachable; fail the request rather than spin forever.
+            head = self.scheduler.waiting[0]
+            log.error("request %s cannot fit in the KV cache; aborting it", head.request_id)
+            out = self.abort(head.request_id)
+            outputs = [out] if out is not None else []
         if sched.seqs:
             drafts, draft_probs = self.spec.propose(sched.seqs, stats)
             batch = self.runner.prepare(sched.seqs, drafts)

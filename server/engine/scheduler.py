@@ -132,7 +132,11 @@ class Scheduler:
                     req.num_cached_prompt_tokens = req.num_computed_tokens
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.bm.ensure_slots(req, req.num_computed_tokens + num_new):
-                break     # wait for blocks; cached-prefix blocks stay attached until then
+                # Wait for blocks. Give the cached-prefix blocks back (they stay hashed in the free
+                # list) so a waiting request never holds blocks that running ones need.
+                self.bm.free(req)
+                req.num_computed_tokens = 0
+                break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:

@@ -1,0 +1,88 @@
+"""The FastAPI app factory and its lifespan.
+
+The model loads in a worker thread after the server starts listening, so `/health` answers 503
+("loading") until the engine is ready, then 200. A load failure marks the server failed (503 with the
+reason) and calls `on_fatal` (the CLI uses it to exit non-zero instead of serving nothing forever).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from server.api.errors import install_error_handlers
+from server.api.limits import Limits
+from server.api.protocol import RequestModels
+from server.api.routes import build_router
+from server.api.state import ServerState
+from server.config import EngineConfig, ServerConfig
+from server.metrics import Metrics
+
+logger = logging.getLogger("specserve.api")
+
+EngineFactory = Callable[..., Any]        # (EngineConfig, on_step=...) -> AsyncEngine
+
+
+def _load_engine(cfg: EngineConfig, on_step: Callable[..., None]) -> Any:
+    from server.engine.async_engine import AsyncEngine
+    return AsyncEngine.from_config(cfg, on_step=on_step)
+
+
+def create_app(engine_config: EngineConfig, server_config: ServerConfig | None = None,
+               limits: Limits | None = None, *, engine: Any = None,
+               engine_factory: EngineFactory | None = None,
+               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """Build the app. Pass `engine` to serve an already-built AsyncEngine (the caller then owns it);
+    otherwise the lifespan builds one from `engine_config` and shuts it down at exit."""
+    server_config = server_config or ServerConfig()
+    limits = limits or Limits()
+    limits.validate()
+    state = ServerState(engine_config, server_config, limits, RequestModels.build(limits), Metrics())
+    if engine is not None:
+        _ready(state, engine)
+    factory = engine_factory or _load_engine
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loader = None if engine is not None else asyncio.create_task(_load(state, factory, on_fatal))
+        try:
+            yield
+        finally:
+            if loader is not None:
+                loader.cancel()
+                if state.engine is not None:
+                    await state.engine.shutdown()
+
+    app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible inference server with per-request speculative decoding")
+    app.state.specserve = state
+    install_error_handlers(app)
+    app.include_router(build_router(state))
+    return app
+
+
+async def _load(state: ServerState, factory: EngineFactory,
+                on_fatal: Callable[[BaseException], None] | None) -> None:
+    try:
+        engine = await asyncio.to_thread(factory, state.engine_config, on_step=state.metrics.on_step)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        logger.exception("loading the model failed")
+        state.status, state.error = "failed", f"{type(exc).__name__}: {exc}"
+        if on_fatal is not None:
+            on_fatal(exc)
+        return
+    _ready(state, engine)
+    logger.info("serving %s (max_model_len %d; speculators %s)", engine.model_name,
+                engine.max_model_len, engine.speculators())
+
+
+def _ready(state: ServerState, engine: Any) -> None:
+    state.metrics.set_model_name(engine.model_name)
+    state.engine = engine
+    state.status = "ready"

@@ -1,0 +1,181 @@
+"""OpenAI response and stream-chunk schemas (completions, chat), plus our per-request `speculation` field.
+
+Shapes follow OpenAI's exactly (ids "cmpl-..." / "chatcmpl-...", object names, `usage` with
+`completion_tokens_details.accepted_prediction_tokens / rejected_prediction_tokens`); the extra
+top-level `speculation` object reports what the speculative decoder did for this request.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from speculators.base import SpecParams, SpecStats
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    audio_tokens: int = 0
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+    audio_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
+
+
+class SpeculationRequested(BaseModel):
+    method: str
+    num_speculative_tokens: int
+
+
+class SpeculationInfo(BaseModel):
+    """What speculation did for this request (summed over its choices).
+
+    `requested` and `notice` are present only when the request did not get what it asked for
+    (a prediction with no prediction speculator loaded, k reduced by the engine, ...): speculation
+    is never switched off silently.
+    """
+    method: str
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_rate: float | None = None            # accepted / draft tokens (None: no drafts)
+    mean_acceptance_length: float = 1.0                # tokens per verification step = 1 + accepted / drafts
+    accepted_per_position: list[int] = Field(default_factory=list)
+    requested: SpeculationRequested | None = None
+    notice: str | None = None
+
+    @classmethod
+    def from_stats(cls, stats: list[SpecStats], requested: SpecParams,
+                   notice: str | None = None) -> SpeculationInfo:
+        drafts = sum(s.num_drafts for s in stats)
+        draft_tokens = sum(s.num_draft_tokens for s in stats)
+        accepted = sum(s.num_accepted_tokens for s in stats)
+        per_pos = [0] * max((len(s.accepted_per_pos) for s in stats), default=0)
+        for s in stats:
+            for i, count in enumerate(s.accepted_per_pos):
+                per_pos[i] += count
+        method = stats[0].method if stats else requested.method
+        k = stats[0].k if stats else requested.k
+        info = cls(method=method, num_speculative_tokens=k, num_drafts=drafts,
+                   num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
+                   acceptance_rate=accepted / draft_tokens if draft_tokens else None,
+                   mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
+                   accepted_per_position=per_pos, notice=notice)
+        if (method, k) != (requested.method, requested.k):
+            info.requested = SpeculationRequested(method=requested.method,
+                                                  num_speculative_tokens=requested.k)
+            info.notice = notice or (f"asked for {requested.method} with k={requested.k}; "
+                                     f"the engine ran {method} with k={k}")
+        return info
+
+
+# ---- /v1/completions -------------------------------------------------------------------------
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    speculation: SpeculationInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    speculation: SpeculationInfo | None = None
+
+
+# ---- /v1/chat/completions --------------------------------------------------------------------
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    speculation: SpeculationInfo | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    speculation: SpeculationInfo | None = None

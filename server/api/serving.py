@@ -1,0 +1,140 @@
+"""Serving: what /v1/completions and /v1/chat/completions share.
+
+Model check, prediction tokens, the fan-out of one HTTP request into engine requests
+(prompts x n choices, choice index = prompt index * n + i), usage and speculation reports,
+and JSON rendering of responses and chunks.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from sampling.params import SamplingParams
+from server.api.errors import bad_request
+from server.api.generation import ChoiceState, SubRequest
+from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.api.responses import (
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    SpeculationInfo,
+    Usage,
+)
+from server.api.state import ServerState
+from speculators.base import SpecParams
+
+AnyRequest = CompletionRequest | ChatCompletionRequest
+
+
+@dataclass
+class Call:
+    """One HTTP request in flight: its id, what it asked for and its engine requests."""
+    id: str
+    created: int
+    model: str
+    request: AnyRequest
+    spec: SpecParams
+    notice: str | None
+    subs: list[SubRequest]
+    prompt_lens: list[int]            # per prompt (usage counts each prompt once, whatever n is)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.request.include_usage
+
+
+class Serving:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def engine_for(self, model: str | None) -> Any:
+        self.state.check_model(model)
+        return self.state.engine
+
+    @staticmethod
+    async def encode(engine: Any, text: str) -> list[int]:
+        # Long texts take a while to tokenize: keep the event loop free for other requests.
+        if len(text) < 4096:
+            return engine.tokenizer.encode(text)
+        return await asyncio.to_thread(engine.tokenizer.encode, text)
+
+    async def prediction_ids(self, engine: Any, req: AnyRequest, spec: SpecParams) -> list[int] | None:
+        """Predicted Outputs' text as token ids (the prediction speculator's draft source)."""
+        if req.prediction is None or spec.method != "prediction":
+            return None
+        ids = await self.encode(engine, req.prediction.text)
+        if len(ids) > engine.max_model_len:
+            raise bad_request(f"prediction is {len(ids)} tokens, longer than the model's context "
+                              f"({engine.max_model_len})", param="prediction")
+        return ids
+
+    @staticmethod
+    def fan_out(call_id: str, prompts: list[list[int]], n: int, spec: SpecParams,
+                params_for: Callable[[int, int], SamplingParams], prediction: list[int] | None,
+                prompt_logprobs: bool = False) -> list[SubRequest]:
+        """One SubRequest per (prompt, choice); params_for(prompt index, choice index)."""
+        subs: list[SubRequest] = []
+        for p, ids in enumerate(prompts):
+            for i in range(n):
+                subs.append(SubRequest(f"{call_id}-{len(subs)}", ids, params_for(p, i), spec,
+                                       prediction, prompt_logprobs))
+        return subs
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def now() -> int:
+        return int(time.time())
+
+    # ---- reports ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def usage(call: Call, states: list[ChoiceState]) -> Usage:
+        prompt_tokens = sum(call.prompt_lens)
+        completion_tokens = sum(s.num_output_tokens for s in states)
+        # Prompts are counted once whatever n is; so are their cached tokens (first choice's count).
+        n = max(1, len(states) // max(1, len(call.prompt_lens)))
+        cached = sum(s.num_cached_tokens for s in states[::n])
+        details = CompletionTokensDetails()
+        if call.spec.method == "prediction":
+            accepted = sum(s.spec_stats.num_accepted_tokens for s in states)
+            drafted = sum(s.spec_stats.num_draft_tokens for s in states)
+            details.accepted_prediction_tokens = accepted
+            details.rejected_prediction_tokens = drafted - accepted
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                     completion_tokens_details=details)
+
+    @staticmethod
+    def speculation_info(call: Call, states: list[ChoiceState]) -> SpeculationInfo:
+        return SpeculationInfo.from_stats([s.spec_stats for s in states], call.spec, call.notice)
+
+    # ---- rendering -------------------------------------------------------------------------------
+
+    @staticmethod
+    def json(model: BaseModel) -> Response:
+        return Response(content=model.model_dump_json(), media_type="application/json")
+
+    @staticmethod
+    def chunk(model: BaseModel, include_usage: bool) -> dict[str, Any]:
+        """A stream chunk as OpenAI sends it: `usage` only when asked for (then null until the end),
+        `speculation` only on chunks that finish a choice, empty chat deltas as `{}`."""
+        data = model.model_dump()
+        if not include_usage:
+            data.pop("usage", None)
+        if data.get("speculation") is None:
+            data.pop("speculation", None)
+        for choice in data.get("choices", ()):
+            if "delta" in choice:
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        return data
+

@@ -1,0 +1,174 @@
+"""`specserve serve [flags]`: flags -> EngineConfig / ServerConfig / Limits -> app -> uvicorn.
+
+Every config field has exactly one flag (tests/test_cli.py derives the field list from the
+dataclasses, so a new field without a flag fails). Defaults are read from the dataclasses, never
+repeated here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from server.api.limits import Limits
+from server.config import DTYPES, EngineConfig, ServerConfig, parse_speculation
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# Config fields whose flag is not `--field-name` (tests/test_cli.py reads this too).
+FLAG_NAMES = {"enable_prefix_caching": "--no-prefix-caching"}
+
+
+def flag_for(field_name: str) -> str:
+    return FLAG_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    e = EngineConfig()
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=e.model, metavar="DIR",
+                   help="HF-layout model directory (config.json + *.safetensors + tokenizer). Default: the "
+                        "embedded model in models/, or a small random-weight Llama if that is absent")
+    g.add_argument("--served-model-name", default=e.served_model_name, metavar="NAME",
+                   help="model id in /v1/models and the `model` every request must send. "
+                        "Default: the model directory's name")
+    g.add_argument("--dtype", default=e.dtype, choices=DTYPES,
+                   help="weight and activation dtype; auto = bf16 on CUDA or on CPUs with fast bf16, "
+                        "else float32 (default: %(default)s)")
+    g.add_argument("--device", default=e.device, help="auto, cpu, cuda or cuda:N; auto = cuda if available "
+                                                     "(default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=e.block_size, metavar="N",
+                   help="tokens per KV cache block, a power of two (default: %(default)s)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=e.kv_cache_memory_gb, metavar="GB",
+                   help="memory for the KV cache; its block count follows (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=e.max_model_len, metavar="N",
+                   help="context length (prompt + output). Default: the model's max_position_embeddings")
+    g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, metavar="N",
+                   help="requests in the running batch (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens, metavar="N",
+                   help="token budget per step: prefill chunks + decodes + drafts (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=e.seed, metavar="N",
+                   help="seed for random weights and unseeded sampling (default: %(default)s)")
+    g.add_argument("--num-threads", type=int, default=e.num_threads, metavar="N",
+                   help="torch intra-op threads on CPU. Default: torch's choice (all cores)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=e.enable_prefix_caching,
+                   help="disable reuse of KV blocks across requests with a common prefix (default: enabled)")
+
+
+def _speculation_flags(p: argparse.ArgumentParser) -> None:
+    e = EngineConfig()
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--max-speculative-tokens", type=int, default=e.max_speculative_tokens, metavar="K",
+                   help="largest k (draft tokens per step) a request may ask for (default: %(default)s)")
+    g.add_argument("--speculation", default=None, metavar="JSON",
+                   help="server default for requests without a `speculation` field, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. Default: "
+                        "'{\"method\": \"none\"}' (plain decoding)")
+    g.add_argument("--draft-model", default=e.draft_model, metavar="DIR",
+                   help="draft model directory for method 'draft'. Default: none loaded")
+    g.add_argument("--eagle3", default=e.eagle3, metavar="DIR",
+                   help="EAGLE-3 head directory for method 'eagle3'. Default: none loaded")
+
+
+def _server_flags(p: argparse.ArgumentParser) -> None:
+    s = ServerConfig()
+    g = p.add_argument_group("HTTP server")
+    g.add_argument("--host", default=s.host, help="address to bind (default: %(default)s)")
+    g.add_argument("--port", type=int, default=s.port, help="port to bind (default: %(default)s)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1/*. Default: $SPECSERVE_API_KEY if set, "
+                        "else no authentication")
+    g.add_argument("--log-level", default=s.log_level, choices=LOG_LEVELS,
+                   help="log level (default: %(default)s)")
+
+
+def _limit_flags(p: argparse.ArgumentParser) -> None:
+    lim = Limits()
+    g = p.add_argument_group("request limits (larger requests get a 400)")
+    docs = {"max_n": "choices per request (n, best_of)",
+            "max_logprobs": "completions `logprobs` and chat `top_logprobs`",
+            "max_stop": "stop strings (and stop_token_ids) per request",
+            "max_stop_len": "characters per stop string",
+            "max_logit_bias": "logit_bias entries per request",
+            "max_prompts": "prompts in one /v1/completions request",
+            "max_messages": "messages in one chat request"}
+    for name, doc in docs.items():
+        g.add_argument(flag_for(name), type=int, default=getattr(lim, name), metavar="N",
+                       help=f"most {doc} (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible inference server "
+                                     "with per-request speculative decoding")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = sub.add_parser("serve", help="serve a model over HTTP", description="Serve a model with an "
+                           "OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, "
+                           "/v1/speculators, /health, /metrics).")
+    for add in (_engine_flags, _speculation_flags, _server_flags, _limit_flags):
+        add(serve)
+    return parser
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig, Limits]:
+    """Validated configs from parsed flags; ValueError with a readable message otherwise."""
+    try:
+        speculation = parse_speculation(args.speculation)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculation is not valid JSON: {exc}") from None
+    engine = EngineConfig(**{f: getattr(args, f) for f in _names(EngineConfig) if f != "speculation"},
+                          speculation=speculation)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SPECSERVE_API_KEY") or None
+    server = ServerConfig(host=args.host, port=args.port, api_key=api_key, log_level=args.log_level)
+    limits = Limits(**{f: getattr(args, f) for f in _names(Limits)})
+    engine.validate()
+    server.validate()
+    limits.validate()
+    return engine, server, limits
+
+
+def _names(cls: type) -> list[str]:
+    import dataclasses
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, limits: Limits) -> int:
+    import uvicorn
+
+    from server.api.app import create_app
+
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(exc: BaseException) -> None:
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+    app = create_app(engine_cfg, server_cfg, limits, on_fatal=on_fatal)
+    config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,
+                            timeout_graceful_shutdown=10)
+    server = uvicorn.Server(config)
+    server.run()
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help()
+        return 2
+    try:
+        engine_cfg, server_cfg, limits = configs_from_args(args)
+    except ValueError as exc:
+        print(f"specserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=server_cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(engine_cfg, server_cfg, limits)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
