@@ -1,0 +1,141 @@
+"""RejectionSampler: verify every request's drafts against the target in one vectorised pass.
+
+Request i brings k_i >= 0 drafts and owns k_i + 1 consecutive logits rows; row j is the target's
+next-token scores after prompt + output + drafts[:j]. k_i = 0 is plain decoding through the same
+code: one row, nothing to verify, one bonus token.
+
+Greedy requests (temperature 0): draft j is accepted while it equals the argmax of the processed
+row j. At the first mismatch the row's argmax is emitted instead; if all k drafts match, the argmax
+of the last row is the bonus token. Output == plain greedy decoding, token for token.
+
+Random requests (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023): draft x_j is
+accepted with probability min(1, target_probs[j, x_j] / draft_probs[j, x_j]). At the first
+rejection j the *recovered* token is drawn from norm(max(target_probs[j] - draft_probs[j], 0)); if
+all are accepted the *bonus* token is drawn from target_probs[k]. Each emitted token is then
+distributed exactly as target_probs given the tokens before it. draft_probs = None means
+deterministic drafts, i.e. one-hot: accept with probability target_probs[j, x_j], recover from
+target_probs[j] with x_j zeroed.
+
+Worked example (random, deterministic drafts), vocab 3, drafts [1, 2], uniforms [0.4, 0.7]:
+  row 0 target_probs [0.2, 0.5, 0.3]: 0.4 < 0.5       -> accept 1
+  row 1 target_probs [0.6, 0.1, 0.3]: 0.7 < 0.3 fails -> reject 2, recover from [0.6, 0.1, 0]
+  output: token_ids = [1, r] with r ~ [6/7, 1/7, 0], num_accepted = 1 (row 2 is never read).
+
+Not done here: the engine truncates the emitted tokens at stop tokens / stop strings / max_tokens
+afterwards (an accepted run may cross a stop id), and rolls back the KV of rejected positions.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from sampling.batch import SamplingBatch
+from sampling.draft_distribution import DraftDistribution
+from sampling.logprobs import collect_logprobs
+from sampling.outputs import SeqSamplingInput, SeqSamplingOutput
+from sampling.rng import RandomDraws
+from sampling.sampler import Sampler
+
+
+def _count_accepted(accepted: torch.Tensor,  # [m, max_drafts] bool
+                    ) -> torch.Tensor:
+    """[m] long: length of the leading run of True (drafts after the first rejection don't count)."""
+    return accepted.long().cumprod(dim=1).sum(dim=1)
+
+
+class RejectionSampler:
+    def __init__(self, eos_token_ids: Sequence[int] = ()):
+        # eos_token_ids: the model's EOS ids, banned (unless ignore_eos) while output < min_tokens.
+        self.sampler = Sampler(eos_token_ids)
+
+    def __call__(self, target_logits: torch.Tensor,  # [sum_i(k_i + 1), vocab] float32, not modified
+                 seqs: Sequence[SeqSamplingInput]) -> list[SeqSamplingOutput]:
+        # Penalties, softmax and cumulative sums need float32 even when the model ran in bf16.
+        target_logits = target_logits.float()
+        batch = SamplingBatch.build(seqs, target_logits)
+        processed = self.sampler(target_logits, batch)
+        width = batch.max_drafts + 1
+        token_ids = torch.zeros(len(batch.seqs), width, dtype=torch.long, device=batch.device)  # [n, k+1]
+        num_accepted = torch.zeros(len(batch.seqs), dtype=torch.long, device=batch.device)     # [n]
+        if len(batch.greedy):
+            tokens, accepted = self._verify_greedy(batch, processed.greedy_token_ids)
+            token_ids[batch.greedy.req_index] = tokens
+            num_accepted[batch.greedy.req_index] = accepted
+        if len(batch.random):
+            tokens, accepted = self._verify_random(batch, processed.target_probs)
+            token_ids[batch.random.req_index] = tokens
+            num_accepted[batch.random.req_index] = accepted
+        # One device->host copy for the whole batch.
+        return self._outputs(target_logits, batch, token_ids.tolist(), num_accepted.tolist())
+
+    @staticmethod
+    def _verify_greedy(batch: SamplingBatch,
+                       argmax_ids: torch.Tensor,  # [batch.greedy.num_rows] long
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [m, max_drafts + 1] (valid up to num_accepted inclusive), num_accepted [m]."""
+        group, max_drafts = batch.greedy, batch.max_drafts
+        columns = torch.arange(max_drafts + 1, device=batch.device)
+        # Padding columns j > k read the request's last row; they are never emitted.
+        rows = group.local_start[:, None] + torch.minimum(columns[None, :], group.num_drafts[:, None])
+        target_ids = argmax_ids[rows]                                              # [m, k+1]
+        drafts = batch.draft_ids.index_select(0, group.req_index)                  # [m, k]
+        valid = columns[None, :max_drafts] < group.num_drafts[:, None]             # [m, k]
+        accepted = (drafts == target_ids[:, :max_drafts]) & valid
+        # Accepted drafts equal the argmax, so the argmax row holds the whole emitted run.
+        return target_ids, _count_accepted(accepted)
+
+    @staticmethod
+    def _verify_random(batch: SamplingBatch,
+                       target_probs: torch.Tensor,  # [batch.random.num_rows, vocab] float32
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [m, max_drafts + 1] (valid up to num_accepted inclusive), num_accepted [m]."""
+        group, max_drafts = batch.random, batch.max_drafts
+        seqs = [batch.seqs[i] for i in group.reqs]
+        draws = RandomDraws.draw(seqs, max_drafts, batch.vocab_size, batch.device)
+        drafts = batch.draft_ids.index_select(0, group.req_index)                  # [m, k]
+        draft_dist = DraftDistribution.build(seqs, drafts, group.num_drafts, batch.vocab_size)
+        columns = torch.arange(max_drafts, device=batch.device)
+        valid = columns[None, :] < group.num_drafts[:, None]                       # [m, k]
+        rows = group.local_start[:, None] + torch.minimum(columns[None, :], group.num_drafts[:, None])
+        target_of_drafts = target_probs[rows, drafts]                              # [m, k]
+        draft_of_drafts = draft_dist.prob_of_drafts()                              # [m, k]
+        # A draft the drafter gave probability 0 cannot have been sampled from it; accept it only if
+        # the target allows it at all (ratio treated as 1 or 0) rather than divide by zero.
+        ratio = torch.where(draft_of_drafts > 0,
+                            target_of_drafts / draft_of_drafts.clamp(min=torch.finfo(torch.float32).tiny),
+                            (target_of_drafts > 0).float()).clamp(max=1.0)
+        num_accepted = _count_accepted((draws.uniforms < ratio) & valid)          # [m]
+        final_rows = group.local_start + num_accepted                              # [m]
+        final_target = target_probs.index_select(0, final_rows)                    # [m, vocab]
+        weights = draft_dist.residual(final_target, num_accepted)                  # [m, vocab]
+        # An all-zero residual needs target_probs == draft_probs at that row, where rejection has
+        # probability 0; float rounding can still get there, and the target row is then exact.
+        weights = torch.where(weights.sum(dim=-1, keepdim=True) > 0, weights, final_target)
+        final_ids = (weights / draws.noise).argmax(dim=-1)                         # [m]
+        tokens = torch.cat([drafts, drafts.new_zeros(len(seqs), 1)], dim=1)        # [m, k+1]
+        tokens.scatter_(1, num_accepted[:, None], final_ids[:, None])
+        return tokens, num_accepted
+
+    @staticmethod
+    def _outputs(target_logits: torch.Tensor,  # [num_rows, vocab] raw
+                 batch: SamplingBatch, token_ids: list[list[int]], num_accepted: list[int],
+                 ) -> list[SeqSamplingOutput]:
+        outputs, logprob_owner = [], []
+        lp_rows: list[int] = []
+        lp_tokens: list[int] = []
+        lp_top: list[int] = []
+        for i, seq in enumerate(batch.seqs):
+            emitted = token_ids[i][:num_accepted[i] + 1]
+            outputs.append(SeqSamplingOutput(token_ids=emitted, num_accepted=num_accepted[i]))
+            if seq.params.logprobs is not None:
+                # The j-th emitted token came from the request's row j.
+                lp_rows.extend(range(batch.row_start[i], batch.row_start[i] + len(emitted)))
+                lp_tokens.extend(emitted)
+                lp_top.extend([seq.params.logprobs] * len(emitted))
+                logprob_owner.append(i)
+        if logprob_owner:
+            logprobs = iter(collect_logprobs(target_logits, lp_rows, lp_tokens, lp_top))
+            for i in logprob_owner:
+                outputs[i].logprobs = [next(logprobs) for _ in outputs[i].token_ids]
+        return outputs
