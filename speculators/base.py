@@ -54,15 +54,45 @@ class DraftProposal:
     draft_probs: list["torch.Tensor | None"]     # per request, [k_i, vocab] or None (deterministic drafts)
 
 
+@dataclass
+class VerifiedStep:
+    """What one target forward computed for the requests of one method (prefill chunks included).
+
+    Model-based speculators read the target's hidden states here (EAGLE-3 taps, MTP inputs) instead of
+    running the target again. Row r of `hidden` belongs to requests[i] when
+    token_offsets[i] <= r < token_offsets[i] + query_lens[i]; those rows are the positions
+    num_computed_before[i] .. num_computed_before[i] + query_lens[i] - 1 of that request, i.e. its known
+    tokens followed by the drafts it verified. Only the first `valid_lens[i]` rows hold states of tokens
+    that stay in the context (the known tokens + accepted drafts); the rest were rejected.
+    """
+    requests: list[Any]
+    num_computed_before: list[int]     # the request's num_computed_tokens when the step began
+    token_offsets: list[int]
+    query_lens: list[int]
+    valid_lens: list[int]
+    num_accepted: list[int]            # accepted drafts (0 for prefill chunks)
+    sampled: list[bool]                # whether the step emitted tokens for the request
+    hidden: "torch.Tensor"             # [num_tokens, hidden] final-normed target states
+    prenorm_hidden: "torch.Tensor"     # [num_tokens, hidden] before the final norm
+    aux_hidden: list["torch.Tensor"]   # per tapped layer [num_tokens, hidden] (empty unless requested)
+
+
 class Speculator(Protocol):
     name: str
+    # target layers whose entering residual streams the speculator needs from every forward (EAGLE-3)
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def validate(self, options: dict) -> None:
+        """Raise ValueError for method options it does not understand (HTTP 400)."""
+        ...
 
     def propose(self, requests: Sequence[Any], ks: Sequence[int]) -> DraftProposal:
         """Up to ks[i] draft tokens for requests[i] (engine Request objects, read-only)."""
         ...
 
-    def update(self, requests: Sequence[Any], num_accepted: Sequence[int]) -> None:
-        """Called after verification, for methods that keep state (draft KV, hidden states)."""
+    def observe(self, step: VerifiedStep) -> None:
+        """Called after every forward that included requests of this method (after update of the
+        requests' counters and outputs), for methods that keep state (draft KV, hidden states)."""
         ...
 
     def release(self, request: Any) -> None:

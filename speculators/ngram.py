@@ -57,8 +57,5 @@ class NgramSpeculator:
             buf.extend(req.token_slice(buf.size, req.num_tokens))
         return buf.view()
 
-    def update(self, requests: Sequence, num_accepted: Sequence[int]) -> None:
-        return None
-
     def release(self, request) -> None:
         self._buffers.pop(request.request_id, None)

@@ -68,8 +68,5 @@ class PredictionSpeculator:
             st.ptr = longest_match(st.pred, tail, REALIGN_MIN, REALIGN_MAX)
         st.seen = len(output)
 
-    def update(self, requests: Sequence, num_accepted: Sequence[int]) -> None:
-        return None
-
     def release(self, request) -> None:
         self._states.pop(request.request_id, None)

@@ -104,6 +104,8 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len)
     sampler = RejectionSampler(eos_token_ids=tokenizer.eos_token_ids)
     spec = SpecDispatcher(build_speculators(cfg, runner, tokenizer))
+    runner.aux_layer_ids = tuple(sorted({i for sp in spec.speculators.values()
+                                         for i in getattr(sp, "aux_layer_ids", ())}))
     return Engine(runner, sched, tokenizer, sampler, spec, max_len), cfg.served_model_name or name
 
 

@@ -135,6 +135,7 @@ class Engine:
     def _sample_and_update(self, seqs: list[ScheduledSeq], drafts: list[list[int]], draft_probs: list,
                            result: StepResult, stats: StepStats) -> list[RequestOutput]:
         batch = result.batch
+        computed_before = [s.request.num_computed_tokens for s in seqs]
         inputs: list[SeqSamplingInput] = []
         rows: list[torch.Tensor] = []
         for i, seq in enumerate(seqs):
@@ -154,6 +155,7 @@ class Engine:
         self.spec.update([s.request for s in seqs if s.samples], sampled,
                          [d for d, s in zip(drafts, seqs) if s.samples], stats)
         outputs: list[RequestOutput] = []
+        accepted = [0] * len(seqs)
         it = iter(sampled)
         now = time.monotonic()
         for i, seq in enumerate(seqs):
@@ -162,13 +164,16 @@ class Engine:
                 stats.num_prompt_tokens += min(seq.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
             plp = prompt_logprobs_rows(req, seq, batch, i, result.logits) if batch.num_prompt_rows[i] else None
             if seq.samples:
-                out = self._emit(seq, next(it), now, plp, stats)
+                sample = next(it)
+                accepted[i] = sample.num_accepted
+                out = self._emit(seq, sample, now, plp, stats)
                 stats.num_generation_tokens += len(out.token_ids)
                 outputs.append(out)
             else:
                 self.scheduler.update(seq, 0, [])
                 if plp:
                     outputs.append(build_output(req, [], "", None, prompt_logprobs=plp))
+        self.spec.observe(seqs, computed_before, accepted, result)
         return outputs
 
     def _emit(self, seq: ScheduledSeq, out: SeqSamplingOutput, now: float, plp,

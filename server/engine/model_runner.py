@@ -24,6 +24,8 @@ class StepBatch:
     row_starts: list[int]            # per seq: first logits row (or -1 when the seq does not sample)
     num_rows: list[int]              # per seq: logits rows (k_i + 1 sampled rows, + prompt rows)
     num_prompt_rows: list[int]       # per seq: leading rows used only for prompt logprobs
+    token_offsets: list[int]         # per seq: first row of its query in the token dimension
+    query_lens: list[int]            # per seq: known tokens + drafts
 
 
 @dataclass
@@ -31,6 +33,7 @@ class StepResult:
     logits: torch.Tensor             # [num_rows, vocab] float32
     aux_hidden: list[torch.Tensor]   # per aux layer [num_tokens, hidden] (EAGLE-3), empty otherwise
     hidden: torch.Tensor             # [num_tokens, hidden] final-normed
+    prenorm_hidden: torch.Tensor     # [num_tokens, hidden] before the final norm (MTP variants)
     batch: StepBatch
 
 
@@ -53,12 +56,14 @@ class ModelRunner:
         row_starts: list[int] = []
         num_rows: list[int] = []
         num_prompt_rows: list[int] = []
+        offsets: list[int] = []
         for seq, draft in zip(seqs, drafts):
             req = seq.request
             start = req.num_computed_tokens
             known = req.token_slice(start, start + seq.num_new_tokens)
             q = len(known) + len(draft)
             offset = len(input_ids)
+            offsets.append(offset)
             input_ids.extend(known)
             input_ids.extend(draft)
             query_lens.append(q)
@@ -81,10 +86,12 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             attn=attn,
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=self.device),
-            row_starts=row_starts, num_rows=num_rows, num_prompt_rows=num_prompt_rows)
+            row_starts=row_starts, num_rows=num_rows, num_prompt_rows=num_prompt_rows,
+            token_offsets=offsets, query_lens=query_lens)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
-        hidden, aux = self.model(batch.input_ids, batch.attn, self.kv_caches, self.aux_layer_ids)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])   # [num_rows, vocab] fp32
-        return StepResult(logits=logits, aux_hidden=aux, hidden=hidden, batch=batch)
+        out = self.model.forward_states(batch.input_ids, batch.attn, self.kv_caches, self.aux_layer_ids)
+        logits = self.model.compute_logits(out.hidden[batch.logits_indices])   # [num_rows, vocab] fp32
+        return StepResult(logits=logits, aux_hidden=out.aux_hidden, hidden=out.hidden,
+                          prenorm_hidden=out.prenorm_hidden, batch=batch)

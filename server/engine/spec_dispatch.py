@@ -14,6 +14,7 @@ from sampling.outputs import SeqSamplingOutput
 from server.engine.request import Request
 from server.engine.scheduler import ScheduledSeq
 from server.engine.stats import SpecStepStats, StepStats
+from speculators.base import VerifiedStep
 
 
 class SpecDispatcher:
@@ -56,18 +57,34 @@ class SpecDispatcher:
 
         requests/sampled/drafts are aligned: the requests that sampled this step.
         """
-        by_method: dict[str, tuple[list[Request], list[int]]] = {}
         for req, out, d in zip(requests, sampled, drafts):
             method = req.spec_params.method
             req.spec_stats.record(len(d), out.num_accepted)
             if d:
                 self._book_step(stats.spec.setdefault(method, SpecStepStats()), len(d), out.num_accepted)
-            if method in self.speculators:
-                grp = by_method.setdefault(method, ([], []))
-                grp[0].append(req)
-                grp[1].append(out.num_accepted)
-        for method, (reqs, accepted) in by_method.items():
-            self.speculators[method].update(reqs, accepted)
+
+    def observe(self, seqs: list[ScheduledSeq], computed_before: list[int], accepted: list[int],
+                result) -> None:
+        """Hand each stateful speculator the target states of its requests from this forward."""
+        batch = result.batch
+        groups: dict[str, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            method = seq.request.spec_params.method
+            if method in self.speculators and not seq.request.is_finished:
+                groups.setdefault(method, []).append(i)
+        for method, idx in groups.items():
+            spec = self.speculators[method]
+            if not hasattr(spec, "observe"):
+                continue
+            spec.observe(VerifiedStep(
+                requests=[seqs[i].request for i in idx],
+                num_computed_before=[computed_before[i] for i in idx],
+                token_offsets=[batch.token_offsets[i] for i in idx],
+                query_lens=[batch.query_lens[i] for i in idx],
+                valid_lens=[seqs[i].num_new_tokens + accepted[i] for i in idx],
+                num_accepted=[accepted[i] for i in idx],
+                sampled=[seqs[i].samples for i in idx],
+                hidden=result.hidden, prenorm_hidden=result.prenorm_hidden, aux_hidden=result.aux_hidden))
 
     @staticmethod
     def _book_step(st: SpecStepStats, num_draft: int, num_accepted: int) -> None:
