@@ -1,0 +1,106 @@
+"""Speculative core benchmark: tokens/s with ngram and prediction vs none, batch 1, greedy, one run.
+
+Workloads: (a) code editing (output mostly repeats the input) with ngram, with an exact prediction
+(the model's own greedy output) and with the user's expected edit as prediction; (b) free completion.
+Also the verification cost v(k) = target forward over k+1 tokens / over 1 token at the same context.
+
+Run: python -m loadtest.bench_spec_core [--model DIR] [--dtype bfloat16] [--k 4]
+With no --model it uses the embedded target if present, else a random ~30M Llama (acceptance on a
+random model only reflects its loops; the ratios mostly show the cost side).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+
+from loadtest.edit_prompts import completion_prompts, edit_cases
+from sampling.params import SamplingParams
+from server.config import EngineConfig
+from server.engine.offline import OfflineEngine
+from server.engine.scheduler import ScheduledSeq
+from speculators.base import SpecParams
+
+
+def run(eng: OfflineEngine, prompts, spec: SpecParams, new: int, preds=None) -> tuple[float, list]:
+    params = SamplingParams(temperature=0.0, max_tokens=new)
+    total_tokens, total_time, outs = 0, 0.0, []
+    for i, p in enumerate(prompts):
+        t = time.perf_counter()
+        out = eng.generate([p], params, spec, [preds[i]] if preds else None)[0]
+        total_time += time.perf_counter() - t
+        total_tokens += len(out.token_ids)
+        outs.append(out)
+    return total_tokens / total_time, outs
+
+
+def mean_acceptance(outs) -> float:
+    drafts = sum(o.spec_stats.num_drafts for o in outs)
+    acc = sum(o.spec_stats.num_accepted_tokens for o in outs)
+    return 1.0 + acc / drafts if drafts else 1.0
+
+
+def verify_cost(eng: OfflineEngine, context: int, ks: list[int], reps: int = 20) -> dict[int, float]:
+    """v(k): seconds of one target forward verifying k drafts / seconds with k = 0."""
+    e = eng.engine
+    vocab = e.runner.cfg.vocab_size
+    prompt = torch.randint(0, vocab, (context,)).tolist()
+    e.add_request("vk", prompt, SamplingParams(temperature=0.0, max_tokens=64), SpecParams())
+    e.step()                                   # prefill
+    req = e.live["vk"].request
+    times = {}
+    for k in [0, *ks]:
+        e.scheduler.bm.ensure_slots(req, req.num_computed_tokens + 1 + k)
+        seq = ScheduledSeq(req, 1, k)
+        batch = e.runner.prepare([seq], [prompt[:k]])
+        for _ in range(3):
+            e.runner.execute(batch)
+        t = time.perf_counter()
+        for _ in range(reps):
+            e.runner.execute(batch)
+        times[k] = (time.perf_counter() - t) / reps
+    e.abort("vk")
+    return {k: times[k] / times[0] for k in ks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    eng = OfflineEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_gb=0.5))
+    tok = eng.engine.tokenizer
+    edits = edit_cases(args.num_prompts)
+    edit_prompts = [tok.encode(p) for p, _ in edits]
+    user_preds = [tok.encode(e) for _, e in edits]
+    free = [tok.encode(p) for p in completion_prompts(args.num_prompts)]
+    k = args.k
+    print(f"model: {args.model or 'default'}  dtype: {eng.engine.runner.dtype}  k={k}  "
+          f"threads={torch.get_num_threads()}  new tokens={args.new_tokens}")
+    print(f"{'workload':14} {'method':22} {'tok/s':>8} {'vs none':>8} {'accept len':>10}")
+    for name, prompts in (("code editing", edit_prompts), ("free completion", free)):
+        base, base_outs = run(eng, prompts, SpecParams(), args.new_tokens)
+        rows = [("none", base, base_outs)]
+        tps, outs = run(eng, prompts, SpecParams("ngram", k), args.new_tokens)
+        rows.append((f"ngram k={k}", tps, outs))
+        exact = [o.token_ids for o in base_outs]
+        tps, outs = run(eng, prompts, SpecParams("prediction", k), args.new_tokens, exact)
+        rows.append((f"prediction exact k={k}", tps, outs))
+        if name == "code editing":
+            tps, outs = run(eng, prompts, SpecParams("prediction", k), args.new_tokens, user_preds)
+            rows.append((f"prediction user k={k}", tps, outs))
+        for method, tps, outs in rows:
+            assert [o.token_ids for o in outs] == exact, f"{method} changed greedy output"
+            print(f"{name:14} {method:22} {tps:8.1f} {tps / base:8.2f} {mean_acceptance(outs):10.2f}")
+    vk = verify_cost(eng, context=256, ks=[1, 2, 4, 8])
+    print("verification cost v(k) at context 256: " + "  ".join(f"v({k})={v:.2f}" for k, v in vk.items()))
+
+
+if __name__ == "__main__":
+    main()
