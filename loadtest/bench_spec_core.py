@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from loadtest.edit_prompts import completion_prompts, edit_cases
+from loadtest.prompt_sets import load_prompt_set
 from sampling.params import SamplingParams
 from server.config import EngineConfig
 from server.engine.offline import OfflineEngine
@@ -76,10 +76,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     eng = OfflineEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_gb=0.5))
     tok = eng.engine.tokenizer
-    edits = edit_cases(args.num_prompts)
-    edit_prompts = [tok.encode(p) for p, _ in edits]
-    user_preds = [tok.encode(e) for _, e in edits]
-    free = [tok.encode(p) for p in completion_prompts(args.num_prompts)]
+    edits = load_prompt_set("code_editing", args.num_prompts)
+    edit_prompts = [tok.encode(r["prompt"]) for r in edits]
+    user_preds = [tok.encode(r["prediction"]) for r in edits]
+    free = [tok.encode(r["prompt"]) for r in load_prompt_set("code_completion", args.num_prompts)]
     k = args.k
     print(f"model: {args.model or 'default'}  dtype: {eng.engine.runner.dtype}  k={k}  "
           f"threads={torch.get_num_threads()}  new tokens={args.new_tokens}")

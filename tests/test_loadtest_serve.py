@@ -1,0 +1,50 @@
+"""loadtest.serve: metric definitions (vLLM bench serve's) and a short real run against the server."""
+import pytest
+
+from loadtest import serve
+from loadtest.serve_metrics import RequestRecord, parse_spec_counters, percentiles, spec_delta, summarize
+
+
+def test_percentiles_interpolate_like_numpy():
+    p = percentiles([1.0, 2.0, 3.0, 4.0])
+    assert p["mean"] == 2.5 and p["p50"] == 2.5 and p["p90"] == pytest.approx(3.7)
+
+
+def test_tpot_excludes_first_token_and_itl_pools_gaps():
+    a = RequestRecord(ok=True, ttft=0.5, e2el=1.5, itl=[0.25, 0.75], output_tokens=5)
+    b = RequestRecord(ok=True, ttft=0.2, e2el=0.2, itl=[], output_tokens=1)
+    c = RequestRecord(ok=False, error="boom")
+    s = summarize([a, b, c], duration=2.0, slos={"ttft": 300})
+    assert a.tpot == pytest.approx(0.25) and b.tpot is None
+    assert s["tpot_ms"]["mean"] == pytest.approx(250)          # b has no TPOT
+    assert s["itl_ms"]["mean"] == pytest.approx(500)           # pooled gaps of all requests
+    assert s["completed"] == 2 and s["failed"] == 1 and s["errors"] == ["boom"]
+    assert s["output_throughput"] == 3.0 and s["goodput"] == 0.5   # only b meets TTFT <= 300 ms
+
+
+def test_spec_counters_from_scrape():
+    text = '\n'.join([
+        '# HELP specserve:spec_decode_num_drafts_total x',
+        'specserve:spec_decode_num_drafts_total{method="ngram",model_name="m"} 10.0',
+        'specserve:spec_decode_num_draft_tokens_total{method="ngram",model_name="m"} 40.0',
+        'specserve:spec_decode_num_accepted_tokens_total{method="ngram",model_name="m"} 20.0',
+    ])
+    after = parse_spec_counters(text)
+    d = spec_delta({"ngram": {"drafts": 5, "draft_tokens": 20, "accepted": 5}}, after)
+    assert d["ngram"]["acceptance_rate"] == pytest.approx(15 / 20)
+    assert d["ngram"]["mean_acceptance_length"] == pytest.approx(1 + 15 / 5)
+
+
+def test_short_run_against_the_real_server(server_url, tmp_path, capsys):
+    out = tmp_path / "res.json"
+    serve.main(["--url", server_url, "--method", "ngram", "--k", "3", "--concurrency", "1,3",
+                "--num-prompts", "6", "--max-tokens", "16", "--quiet", "--output-json", str(out),
+                "--goodput", "e2el:600000"])
+    import json
+    res = json.loads(out.read_text())
+    assert [r["concurrency"] for r in res] == [1, 3]
+    for r in res:
+        assert r["completed"] == 6 and r["failed"] == 0
+        assert r["total_output_tokens"] > 0 and r["goodput"] == pytest.approx(r["request_throughput"])
+        assert "ngram" in r["speculation"] and r["speculation"]["ngram"]["draft_tokens"] > 0
+    assert "concurrency" in capsys.readouterr().out
