@@ -1,14 +1,24 @@
-"""Prometheus sinks for the engine's StepStats and per-request timings (prefix `specserve:`).
+"""Prometheus sinks for the engine's StepStats, per-request timings and HTTP routes (prefix `specserve:`).
 
 Speculation counters follow the schema vLLM and llama.cpp share, with a `method` label added, so
 existing dashboards work: acceptance rate = accepted / draft_tokens, mean acceptance length =
-1 + accepted / drafts (ratios are computed in PromQL, never exported as gauges).
+1 + accepted / drafts (ratios are computed in PromQL, never exported as gauges). Every series carries
+`model_name`; speculation series and the per-request latency histograms also carry `method`.
 
 `on_step` is called from the engine thread once per step: it only increments counters (the
-prometheus_client types are thread-safe) and must stay cheap. Each app owns a CollectorRegistry, so
-several apps can live in one process (tests).
+prometheus_client types are thread-safe) and must stay cheap, so the labelled children are looked up
+once per (model, method) and cached. Each app owns a CollectorRegistry, so several apps can live in
+one process (tests).
+
+Series are created at 0 when the model becomes ready (`set_model_name(name, methods)`), not on first
+use: a counter born at 0 makes PromQL's `rate()` extrapolate every series of a ratio the same way
+(the acceptance rate from `rate(accepted) / rate(draft_tokens)` is then exact), and Grafana shows 0
+rather than "No data" before traffic arrives.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,9 +30,10 @@ from prometheus_client import (
     generate_latest,
 )
 
-from server.engine.stats import RequestTimings, StepStats
+from server.engine.stats import RequestTimings, SpecStepStats, StepStats
 
 PREFIX = "specserve:"
+METRICS_PATH = "/metrics"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # The `_created` series double the output and no dashboard reads them (vLLM drops them too).
@@ -34,15 +45,67 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                          0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32, 48, 65)
+HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+# Finish reasons the engine reports (server/engine/scheduler.py, engine.py); pre-created at 0.
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class _SpecChildren:
+    """The labelled children of one (model, method): resolved once, reused every step."""
+    __slots__ = ("_labels", "_per_pos_metric", "accepted", "draft_tokens", "drafts", "per_pos",
+                 "tokens_per_step")
+
+    def __init__(self, m: Metrics, model_name: str, method: str) -> None:
+        self._labels = (model_name, method)
+        self.drafts = m.spec_drafts.labels(model_name, method)
+        self.draft_tokens = m.spec_draft_tokens.labels(model_name, method)
+        self.accepted = m.spec_accepted.labels(model_name, method)
+        self.tokens_per_step = m.spec_tokens_per_step.labels(model_name, method)
+        self._per_pos_metric = m.spec_accepted_per_pos
+        self.per_pos: list[Any] = []
+
+    def position(self, pos: int) -> Any:
+        while len(self.per_pos) <= pos:
+            self.per_pos.append(self._per_pos_metric.labels(*self._labels, str(len(self.per_pos))))
+        return self.per_pos[pos]
+
+
+class _RequestChildren:
+    """Per-request latency histograms of one (model, method)."""
+    __slots__ = ("e2e", "itl", "queue_time", "tpot", "ttft")
+
+    def __init__(self, m: Metrics, model_name: str, method: str) -> None:
+        self.ttft = m.ttft.labels(model_name, method)
+        self.itl = m.itl.labels(model_name, method)
+        self.tpot = m.tpot.labels(model_name, method)
+        self.e2e = m.e2e.labels(model_name, method)
+        self.queue_time = m.queue_time.labels(model_name, method)
+
+
+class _ModelChildren:
+    """Every labelled child of one model name; `spec` and `request` fill per method on first use."""
+
+    def __init__(self, m: Metrics, name: str) -> None:
+        self.name = name
+        self.running = m.num_requests_running.labels(name)
+        self.waiting = m.num_requests_waiting.labels(name)
+        self.kv = m.kv_cache_usage.labels(name)
+        self.preemptions = m.num_preemptions.labels(name)
+        self.prompt = m.prompt_tokens.labels(name)
+        self.generation = m.generation_tokens.labels(name)
+        self.spec: dict[str, _SpecChildren] = {}
+        self.request: dict[str, _RequestChildren] = {}
 
 
 class Metrics:
     def __init__(self, model_name: str = "unknown", registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.model_name = model_name
         self._define_serving()
         self._define_speculation()
         self._define_latency()
+        self._define_http()
+        self.model_name = model_name
+        self._bound: _ModelChildren | None = None
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return Counter(PREFIX + name, doc, ("model_name", *labels), registry=self.registry)
@@ -79,71 +142,142 @@ class Metrics:
             "spec_decode_tokens_per_step", "Tokens emitted per verification step (accepted + 1).",
             TOKENS_PER_STEP_BUCKETS, m)
         self.spec_refused = self._counter("spec_decode_refused",
-                                          "Requests whose speculation was refused or reduced.", ("reason",))
+                                          "Requests whose speculation was refused or reduced, by reason.",
+                                          ("reason",))
 
     def _define_latency(self) -> None:
-        self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
+        m = ("method",)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token.",
+                                    LATENCY_BUCKETS, m)
         self.itl = self._histogram("inter_token_latency_seconds", "Gap between output events of a request.",
-                                   TOKEN_LATENCY_BUCKETS)
+                                   TOKEN_LATENCY_BUCKETS, m)
         self.tpot = self._histogram("time_per_output_token_seconds",
-                                    "(e2e - ttft) / (output tokens - 1), per request.", TOKEN_LATENCY_BUCKETS)
-        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+                                    "(e2e - ttft) / (output tokens - 1), per request.", TOKEN_LATENCY_BUCKETS, m)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS, m)
         self.queue_time = self._histogram("request_queue_time_seconds", "Arrival to first scheduled.",
-                                          LATENCY_BUCKETS)
+                                          LATENCY_BUCKETS, m)
 
-    # ---- sinks ---------------------------------------------------------------------------------
+    def _define_http(self) -> None:
+        self.http_requests = self._counter("http_requests", "HTTP requests by route template and status.",
+                                           ("handler", "status"))
+        self.http_duration = self._histogram("http_request_duration_seconds",
+                                             "HTTP request duration including streaming, by route template.",
+                                             HTTP_BUCKETS, ("handler",))
 
-    def set_model_name(self, name: str) -> None:
+    # ---- series ----------------------------------------------------------------------------------
+
+    def set_model_name(self, name: str, methods: Iterable[str] | dict[str, int] | None = None) -> None:
+        """Label everything from now on with `name` and create the model's series at 0.
+
+        `methods`: the speculation methods the engine offers, as names or as AsyncEngine.speculators()
+        (method -> max k; the per-position series of positions 0..k-1 are created too).
+        """
         self.model_name = name
+        c = self._bound = _ModelChildren(self, name)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(name, reason)
+        max_k = methods if isinstance(methods, dict) else dict.fromkeys(methods or (), 0)
+        for method, k in max_k.items():
+            self._request_children(c, method)
+            if method != "none":
+                spec = self._spec_children(c, method)
+                if k:
+                    spec.position(k - 1)
+
+    def _children(self) -> _ModelChildren:
+        c = self._bound
+        if c is None or c.name != self.model_name:      # never named: bind lazily, create nothing early
+            c = self._bound = _ModelChildren(self, self.model_name)
+        return c
+
+    def _spec_children(self, c: _ModelChildren, method: str) -> _SpecChildren:
+        children = c.spec.get(method)
+        if children is None:
+            children = c.spec[method] = _SpecChildren(self, c.name, method)
+        return children
+
+    def _request_children(self, c: _ModelChildren, method: str) -> _RequestChildren:
+        children = c.request.get(method)
+        if children is None:
+            children = c.request[method] = _RequestChildren(self, c.name, method)
+        return children
+
+    # ---- sinks -----------------------------------------------------------------------------------
 
     def set_queue_sizes(self, running: int, waiting: int) -> None:
-        self.num_requests_running.labels(self.model_name).set(running)
-        self.num_requests_waiting.labels(self.model_name).set(waiting)
+        c = self._children()
+        c.running.set(running)
+        c.waiting.set(waiting)
 
     def on_step(self, stats: StepStats) -> None:
         """Record one engine step. Called from the engine thread; cheap and thread-safe."""
-        name = self.model_name
-        self.set_queue_sizes(stats.num_running, stats.num_waiting)
-        self.kv_cache_usage.labels(name).set(stats.kv_cache_usage)
+        c = self._children()
+        c.running.set(stats.num_running)
+        c.waiting.set(stats.num_waiting)
+        c.kv.set(stats.kv_cache_usage)
         if stats.num_preemptions:
-            self.num_preemptions.labels(name).inc(stats.num_preemptions)
+            c.preemptions.inc(stats.num_preemptions)
         if stats.num_prompt_tokens:
-            self.prompt_tokens.labels(name).inc(stats.num_prompt_tokens)
+            c.prompt.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
-            self.generation_tokens.labels(name).inc(stats.num_generation_tokens)
+            c.generation.inc(stats.num_generation_tokens)
         for method, spec in stats.spec.items():
-            self._on_spec(method, spec)
+            self._on_spec(self._spec_children(c, method), spec)
         for reason, count in stats.spec_refused.items():
-            self.spec_refused.labels(name, reason).inc(count)
+            self.spec_refused.labels(c.name, reason).inc(count)
         for timings in stats.finished:
-            self.on_finished(timings)
+            self._on_finished(c, timings)
 
-    def _on_spec(self, method: str, spec) -> None:  # spec: SpecStepStats
-        name = self.model_name
-        if spec.num_drafts:
-            self.spec_drafts.labels(name, method).inc(spec.num_drafts)
-        if spec.num_draft_tokens:
-            self.spec_draft_tokens.labels(name, method).inc(spec.num_draft_tokens)
-        if spec.num_accepted_tokens:
-            self.spec_accepted.labels(name, method).inc(spec.num_accepted_tokens)
+    @staticmethod
+    def _on_spec(c: _SpecChildren, spec: SpecStepStats) -> None:
+        # All of a method's counters move together (inc(0) included), so their series exist together.
+        c.drafts.inc(spec.num_drafts)
+        c.draft_tokens.inc(spec.num_draft_tokens)
+        c.accepted.inc(spec.num_accepted_tokens)
         for pos, count in enumerate(spec.accepted_per_pos):
-            self.spec_accepted_per_pos.labels(name, method, str(pos)).inc(count)
-        histogram = self.spec_tokens_per_step.labels(name, method)
+            c.position(pos).inc(count)
         for tokens in spec.tokens_per_step:
-            histogram.observe(tokens)
+            c.tokens_per_step.observe(tokens)
 
     def on_finished(self, t: RequestTimings) -> None:
-        name = self.model_name
-        self.request_success.labels(name, t.finish_reason).inc()
-        self.e2e.labels(name).observe(t.e2e_latency)
-        self.queue_time.labels(name).observe(t.queue_time)
+        self._on_finished(self._children(), t)
+
+    def _on_finished(self, c: _ModelChildren, t: RequestTimings) -> None:
+        self.request_success.labels(c.name, t.finish_reason).inc()
+        h = self._request_children(c, t.method)
+        h.e2e.observe(t.e2e_latency)
+        h.queue_time.observe(t.queue_time)
         if t.ttft is not None:
-            self.ttft.labels(name).observe(t.ttft)
+            h.ttft.observe(t.ttft)
             if t.num_output_tokens > 1:
-                self.tpot.labels(name).observe((t.e2e_latency - t.ttft) / (t.num_output_tokens - 1))
-        itl = self.itl.labels(name)
+                h.tpot.observe((t.e2e_latency - t.ttft) / (t.num_output_tokens - 1))
         for gap in t.inter_token_latencies:
-            itl.observe(gap)
+            h.itl.observe(gap)
+
+    def on_http(self, info: Any) -> None:
+        """prometheus-fastapi-instrumentator callback (its metrics.Info): one finished HTTP request.
+
+        `handler` is the route template (`/v1/models/{model_id:path}`), or `none` for paths no route
+        matches, so the label set stays bounded whatever clients send.
+        """
+        handler = info.modified_handler
+        self.http_requests.labels(self.model_name, handler, info.modified_status).inc()
+        self.http_duration.labels(self.model_name, handler).observe(info.modified_duration)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def instrument_app(app: Any, metrics: Metrics) -> None:
+    """Count every HTTP request of `app` by route and status into `metrics` (the app's own registry).
+
+    The instrumentator's middleware resolves route templates and statuses (streaming included); its
+    default metrics and its /metrics endpoint are not used: the app serves `metrics.render()`. Scrapes
+    are not counted (Prometheus records its own `up` and `scrape_duration_seconds`), so two reads of
+    /metrics with no traffic between them are identical.
+    """
+    from prometheus_fastapi_instrumentator import Instrumentator
+
+    Instrumentator(should_group_status_codes=False, should_group_untemplated=True,
+                   excluded_handlers=[f"^{METRICS_PATH}$"],
+                   registry=metrics.registry).add(metrics.on_http).instrument(app)

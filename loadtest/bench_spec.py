@@ -1,0 +1,151 @@
+"""Speculative sweep: method x k x concurrency x temperature x prompt set, against a server it starts.
+
+  make bench-spec                      # full grid on the default (embedded) model
+  python -m loadtest.bench_spec --quick   # a small grid for a smoke run
+
+Writes loadtest/results/<stamp>/results.json and PNG plots: speedup vs concurrency per method,
+mean acceptance length per method and prompt set, per-position acceptance.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+
+from loadtest.serve import amain as serve_amain
+from loadtest.server_proc import started_server
+from loadtest.serve_metrics import parse_spec_counters
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run_point(url: str, method: str, k: int, conc: int, temp: float, pset: str, args) -> dict:
+    ns = SimpleNamespace(url=url, model=None, api_key=None, method=method, k=k, concurrency=[conc],
+                         num_prompts=max(args.min_prompts, conc * args.prompts_per_slot),
+                         request_rate=None, prompt_set=pset, max_tokens=args.max_tokens,
+                         temperature=temp, ignore_eos=False, goodput={}, seed=0, timeout=900,
+                         quiet=True)
+    before = httpx.get(f"{url}/metrics").text
+    res = asyncio.run(serve_amain(ns))[0]
+    res["per_pos"] = per_pos_delta(before, httpx.get(f"{url}/metrics").text, method)
+    return res
+
+
+def per_pos_delta(before: str, after: str, method: str) -> list[float]:
+    """Accepted count per draft position / number of drafts, over the run."""
+    def parse(text: str) -> dict[int, float]:
+        out = {}
+        for line in text.splitlines():
+            if "spec_decode_num_accepted_tokens_per_pos_total{" in line and f'method="{method}"' in line:
+                pos = int(line.split('position="')[1].split('"')[0])
+                out[pos] = out.get(pos, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+    b, a = parse(before), parse(after)
+    drafts = (parse_spec_counters(after).get(method, {}).get("drafts", 0)
+              - parse_spec_counters(before).get(method, {}).get("drafts", 0))
+    return [(a[p] - b.get(p, 0.0)) / drafts for p in sorted(a)] if drafts else []
+
+
+def grid(args, methods: list[str]):
+    for temp in args.temperatures:
+        for pset in args.prompt_sets:
+            for conc in args.concurrency:
+                yield "none", 0, conc, temp, pset
+                for method in methods:
+                    for k in args.ks:
+                        yield method, k, conc, temp, pset
+
+
+def plot(results: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    base = {(r["concurrency"], r["temperature"], r["prompt_set"]): r["output_throughput"]
+            for r in results if r["method"] == "none"}
+    for r in results:
+        r["speedup"] = r["output_throughput"] / base[(r["concurrency"], r["temperature"], r["prompt_set"])]
+    temps = sorted({r["temperature"] for r in results})
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        for key in sorted({(r["method"], r["k"]) for r in results if r["method"] != "none"}):
+            pts = sorted((r["concurrency"], r["speedup"]) for r in results
+                         if (r["method"], r["k"]) == key and r["temperature"] == t
+                         and r["prompt_set"] == results[0]["prompt_set"])
+            ax.plot(*zip(*pts), marker="o", label=f"{key[0]} k={key[1]}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s vs none", title=f"T={t}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "speedup_vs_concurrency.png", dpi=110)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    sets = sorted({r["prompt_set"] for r in results})
+    methods = sorted({r["method"] for r in results if r["method"] != "none"})
+    for i, m in enumerate(methods):
+        vals = []
+        for s in sets:
+            rs = [r for r in results if r["method"] == m and r["prompt_set"] == s and r["concurrency"] == 1]
+            vals.append(max((r["speculation"].get(m, {}).get("mean_acceptance_length", 1.0) for r in rs), default=1))
+        ax.bar([j + i / (len(methods) + 1) for j in range(len(sets))], vals, 1 / (len(methods) + 1), label=m)
+    ax.set_xticks(range(len(sets)), sets)
+    ax.set(ylabel="mean acceptance length", title="concurrency 1, best k")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_length.png", dpi=110)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        rs = [r for r in results if r["method"] == m and r["per_pos"]]
+        if rs:
+            best = max(rs, key=lambda r: len(r["per_pos"]))
+            ax.plot(range(1, len(best["per_pos"]) + 1), best["per_pos"], marker="o", label=f"{m} k={best['k']}")
+    ax.set(xlabel="draft position", ylabel="acceptance rate", title="per-position acceptance")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "per_position_acceptance.png", dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None, help="use a running server instead of starting one")
+    ap.add_argument("--server-args", default="", help="extra flags for the server it starts")
+    ap.add_argument("--methods", default=None, help="comma list (default: every loaded speculator)")
+    ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 6])
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
+    ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.8])
+    ap.add_argument("--prompt-sets", type=lambda s: s.split(","),
+                    default=["code_completion", "code_editing", "docstring_to_code", "prose"])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompts-per-slot", type=int, default=2)
+    ap.add_argument("--min-prompts", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="k=4, concurrency 1,4, T=0, two prompt sets")
+    args = ap.parse_args()
+    if args.quick:
+        args.ks, args.concurrency, args.temperatures = [4], [1, 4], [0.0]
+        args.prompt_sets, args.max_tokens = ["code_completion", "code_editing"], 64
+    out = RESULTS / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True)
+    with started_server(args.url, args.server_args.split()) as url:
+        loaded = httpx.get(f"{url}/v1/speculators").json()
+        names = [m for m in (loaded.get("methods") or loaded.get("data") or loaded) if m != "none"] \
+            if not args.methods else args.methods.split(",")
+        methods = [m if isinstance(m, str) else m.get("method") for m in names]
+        results = []
+        points = list(grid(args, methods))
+        for i, (m, k, c, t, s) in enumerate(points):
+            print(f"[{i + 1}/{len(points)}] {m} k={k} c={c} T={t} {s}", file=sys.stderr, flush=True)
+            results.append(run_point(url, m, k, c, t, s, args))
+    meta = {"command": " ".join(sys.argv), "machine": platform.platform(), "python": platform.python_version(),
+            "processor": platform.processor()}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    plot(results, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
