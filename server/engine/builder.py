@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_TARGET = REPO_ROOT / "models" / "target"
 EMBEDDED_TOKENIZER = REPO_ROOT / "models" / "tokenizer"
+EMBEDDED_DRAFT = REPO_ROOT / "models" / "draft"
+EMBEDDED_EAGLE3 = REPO_ROOT / "models" / "eagle3"
 
 # The stand-in default until the embedded family ships: ~30M-parameter Llama, random weights.
 RANDOM_DEFAULT = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512,
@@ -110,9 +112,32 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
 
 
 def build_speculators(cfg: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer) -> dict:
-    """method -> Speculator for everything this server can offer (grows with speculators/)."""
+    """method -> Speculator for everything this server can offer (grows with speculators/).
+
+    draft: --draft-model (refused unless it shares the target's vocabulary); eagle3: --eagle3;
+    mtp: automatic when the target checkpoint declares num_nextn_predict_layers > 0. Serving the embedded
+    target (no --model), the embedded draft and EAGLE-3 head come along unless flags name others.
+    Each model-based drafter owns a KV cache with the target's block count (speculators/draft_kv.py).
+    """
     from speculators.ngram import NgramSpeculator
     from speculators.prediction import PredictionSpeculator
-    del cfg, runner, tokenizer
-    return {"ngram": NgramSpeculator(), "prediction": PredictionSpeculator()}
+    del tokenizer
+    specs: dict = {"ngram": NgramSpeculator(), "prediction": PredictionSpeculator()}
+    model_dir, tok_dir = resolve_model_dir(cfg)
+    draft_dir, eagle3_dir = cfg.draft_model, cfg.eagle3
+    if cfg.model is None and model_dir is not None:     # the embedded family
+        draft_dir = draft_dir or (str(EMBEDDED_DRAFT) if (EMBEDDED_DRAFT / "config.json").is_file() else None)
+        eagle3_dir = eagle3_dir or (str(EMBEDDED_EAGLE3) if (EMBEDDED_EAGLE3 / "config.json").is_file() else None)
+    if draft_dir is not None:
+        from speculators.draft_model import DraftModelSpeculator
+        specs["draft"] = DraftModelSpeculator.load(
+            draft_dir, runner.cfg, tok_dir, runner.kv_caches[0][0].shape[0], runner.block_size,
+            runner.dtype, runner.device)
+    if eagle3_dir is not None:
+        from speculators.eagle3 import Eagle3Speculator
+        specs["eagle3"] = Eagle3Speculator.load(eagle3_dir, runner)
+    if model_dir is not None and runner.cfg.num_nextn_predict_layers > 0:
+        from speculators.mtp import MtpSpeculator
+        specs["mtp"] = MtpSpeculator.load(model_dir, runner)
+    return specs
 

@@ -1,0 +1,188 @@
+"""Draft-model speculator: a small Llama-family model proposes k tokens autoregressively.
+
+The draft model has its own paged KV cache (speculators/draft_kv.py) and its own per-request counter.
+Each engine step, for all requests that chose `draft`, batched:
+
+  forward 1 (varlen): the tokens the draft has not seen yet -> first draft d_1 from the last row.
+                      First time: the whole context (prompt + output). Afterwards: the accepted
+                      drafts it did not write itself + the bonus/recovered token (usually 1-2 tokens).
+  forward j = 2..k:   one row per request still drafting: d_{j-1} -> d_j.
+
+Rollback is a counter: KV of d_1..d_{k-1} is written during drafting; next step the draft compares
+them with the tokens the target actually kept, and the matching prefix stays valid. The rest is
+forgotten (overwritten later), nothing is copied.
+
+Worked example, k = 3, context [a b c] (N = 3): forward 1 runs [a b c] at positions 0..2 -> d1;
+forward 2 runs d1 at 3 -> d2; forward 3 runs d2 at 4 -> d3 (d3's KV is never written). The target
+accepts d1 only and emits r: context [a b c d1 r]. Next step: KV at position 3 (d1) matches, position
+4 (d2) does not -> valid = 4, forward 1 runs [r] at position 4.
+
+Sampling: greedy requests get argmax drafts (draft_probs None); others get drafts drawn from the draft
+model's own distribution at the request's temperature/top-k/top-p with those probs returned
+(speculators/draft_sampling.py), which keeps rejection sampling exact.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from server.models.config import ModelConfig, load_config
+from server.models.llama import LlamaForCausalLM
+from speculators.base import DraftProposal
+from speculators.draft_kv import DraftKVCache, DraftSeq, mirror_target_blocks
+from speculators.draft_sampling import draft_generator, sample_drafts
+from speculators.vocab import check_same_vocabulary
+
+
+@dataclass
+class _DraftState:
+    kv: DraftSeq = field(default_factory=DraftSeq)
+    num_confirmed: int = 0        # positions [0, num_confirmed) hold KV of the request's real tokens
+    speculative: list[int] = field(default_factory=list)   # drafts with KV at num_confirmed.. (may be rejected)
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class _Live:
+    """A request drafting this step."""
+    index: int                    # position in the propose() batch
+    state: _DraftState
+    request: object
+    k: int
+    tokens: list[int] = field(default_factory=list)          # drafts so far
+    probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] per random draft
+
+
+class DraftModelSpeculator:
+    name = "draft"
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, model: LlamaForCausalLM, cache: DraftKVCache, target_vocab_size: int) -> None:
+        self.model = model
+        self.cache = cache
+        self.target_vocab_size = target_vocab_size
+        self.device = cache.device
+        self._states: dict[str, _DraftState] = {}
+
+    @classmethod
+    def load(cls, draft_dir: str | Path, target_cfg: ModelConfig, target_tokenizer_dir: str | Path | None,
+             target_num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+             ) -> DraftModelSpeculator:
+        """Refuses (ValueError) a draft whose vocabulary differs from the target's, before loading weights."""
+        from server.models.loader import load_model
+        draft_cfg = load_config(draft_dir)
+        check_same_vocabulary(target_tokenizer_dir, target_cfg.vocab_size, draft_dir, draft_cfg.vocab_size)
+        model, cfg = load_model(draft_dir, dtype=dtype, device=device)
+        cache = mirror_target_blocks(target_num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                     cfg.head_dim, dtype, device, f"draft model {Path(draft_dir).name}")
+        return cls(model, cache, target_cfg.vocab_size)
+
+    # -- Speculator interface -----------------------------------------------------------------------
+    def validate(self, options: dict) -> None:
+        if options:
+            raise ValueError(f"draft speculation takes no options, got {sorted(options)}")
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
+        live: list[_Live] = []
+        first_tokens: list[list[int]] = []
+        for i, (req, k) in enumerate(zip(requests, ks)):
+            if k <= 0:
+                continue
+            state = self._state(req)
+            valid = self._rollback(state, req)
+            n = req.num_tokens
+            # KV for the unseen tokens and for d_1..d_{k-1}: positions [0, n + k - 1)
+            if not self.cache.reserve(state.kv, n + k - 1):
+                continue            # draft cache full (shared target prefixes): no drafts this step
+            first_tokens.append(req.token_slice(valid, n))
+            live.append(_Live(i, state, req, k))
+        if live:
+            self._draft(live, first_tokens)
+        token_ids: list[list[int]] = [[] for _ in requests]
+        probs: list[torch.Tensor | None] = [None for _ in requests]
+        for item in live:
+            token_ids[item.index] = item.tokens
+            if item.probs:
+                probs[item.index] = torch.stack(item.probs)            # [k_i, vocab]
+        return DraftProposal(token_ids, probs)
+
+    def observe(self, step) -> None:
+        """Nothing to do: the draft model reads tokens, not target states; catch-up happens in propose."""
+
+    def release(self, request) -> None:
+        state = self._states.pop(request.request_id, None)
+        if state is not None:
+            self.cache.free(state.kv)
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _state(self, req) -> _DraftState:
+        state = self._states.get(req.request_id)
+        if state is None or state.num_confirmed > req.num_tokens:   # unseen, or recomputed from scratch
+            if state is not None:
+                self.cache.free(state.kv)
+            state = self._states[req.request_id] = _DraftState(
+                generator=draft_generator(req.sampling_params, self.device))
+        return state
+
+    @staticmethod
+    def _rollback(state: _DraftState, req) -> int:
+        """Positions whose KV is still valid: the confirmed tokens plus the drafts the target kept.
+        At least the last token is recomputed: its logits give d_1."""
+        n = req.num_tokens
+        written = state.speculative
+        actual = req.token_slice(state.num_confirmed, min(state.num_confirmed + len(written), n))
+        matched = 0
+        while matched < len(actual) and actual[matched] == written[matched]:
+            matched += 1
+        return min(state.num_confirmed + matched, n - 1)
+
+    def _draft(self, live: list[_Live], first_tokens: list[list[int]]) -> None:
+        ends = [item.request.num_tokens for item in live]
+        logits = self._forward([item.state for item in live], first_tokens, ends)   # [a, vocab]
+        self._sample(live, logits)
+        for item, end in zip(live, ends):
+            item.state.num_confirmed = end
+            item.state.speculative = []
+        for j in range(1, max(item.k for item in live)):
+            active = [item for item in live if item.k > j]
+            # d_j goes in at position end + j - 1; its KV is speculative until the target keeps d_j
+            for item in active:
+                item.state.speculative.append(item.tokens[-1])
+            logits = self._forward([item.state for item in active], [[item.tokens[-1]] for item in active],
+                                   [item.request.num_tokens + j for item in active])
+            self._sample(active, logits)
+
+    def _forward(self, states: list[_DraftState], tokens: list[list[int]], ends: list[int]) -> torch.Tensor:
+        """Sequence i computes `tokens[i]` ending at position ends[i] - 1 -> last-row logits [n, target vocab]."""
+        query_lens = [len(t) for t in tokens]
+        attn, _ = self.cache.metadata([s.kv for s in states], query_lens, ends)
+        flat = [t for seq in tokens for t in seq]
+        # Ids beyond the draft's embedding (a smaller padded vocab, same tokenizer) never come from a
+        # trained target; clamp rather than crash if one does.
+        ids = torch.tensor(flat, dtype=torch.long, device=self.device).clamp_(max=self.model.config.vocab_size - 1)
+        out = self.model.forward_states(ids, attn, self.cache.caches)
+        last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1                  # [n]
+        logits = self.model.compute_logits(out.hidden.index_select(0, last))              # [n, draft vocab]
+        return _to_target_vocab(logits, self.target_vocab_size)
+
+    @staticmethod
+    def _sample(items: list[_Live], logits: torch.Tensor) -> None:
+        tokens, probs = sample_drafts(logits, [it.request.sampling_params for it in items],
+                                      [it.state.generator for it in items])
+        for item, tok, prob in zip(items, tokens, probs):
+            item.tokens.append(tok)
+            if prob is not None:
+                item.probs.append(prob)
+
+
+def _to_target_vocab(logits: torch.Tensor,  # [n, draft vocab] float32
+                     vocab: int) -> torch.Tensor:
+    """[n, vocab]: padding rows of a larger draft embedding dropped, missing ids at -inf (never drafted)."""
+    if logits.shape[1] >= vocab:
+        return logits[:, :vocab]
+    pad = logits.new_full((logits.shape[0], vocab - logits.shape[1]), float("-inf"))
+    return torch.cat([logits, pad], dim=1)

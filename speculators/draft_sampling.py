@@ -1,0 +1,84 @@
+"""DraftSampler: turn a drafter's logits rows into draft tokens, and the probabilities they were drawn from.
+
+Greedy requests (temperature 0) get the argmax and no probabilities (deterministic drafts, one-hot for
+the rejection sampler). Random requests draw from the DRAFTER's own distribution at the request's
+temperature, truncated by its min_p / top_k / top_p (penalties and logit_bias are the target's
+business: any draft distribution keeps rejection sampling exact, as long as the one returned is the
+one sampled from). Truncating like the target usually raises acceptance.
+
+A seeded request draws from its own generator (created by the speculator from the seed), so a seeded
+request stays reproducible with model-based drafts too.
+
+Worked example: logits row [2.0, 1.0, 0.0], temperature 0.5, top_k 2 -> scaled [4, 2, 0] ->
+probs [0.881, 0.119, 0] -> a draw, e.g. token 0, and that probs row for the rejection sampler.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sampling.params import SamplingParams
+from sampling.truncation import apply_min_p, apply_top_k_top_p
+
+
+def draft_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A generator for a seeded random request, offset from the seed so it never mirrors the target's stream."""
+    if params.seed is None or params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed((params.seed + 0x5EED_D4AF7) % 2**64)
+    return gen
+
+
+def sample_drafts(logits: torch.Tensor,                        # [n, vocab] float32 (-inf = impossible)
+                  params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None],
+                  ) -> tuple[list[int], list[torch.Tensor | None]]:
+    """-> (one draft token per row, per row a [vocab] float32 probs row or None for greedy rows)."""
+    n = logits.shape[0]
+    tokens = logits.argmax(dim=-1)                                           # [n]
+    probs_out: list[torch.Tensor | None] = [None] * n
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        sub = [params[i] for i in random_rows]
+        probs = _probs(logits.index_select(0, rows).float(), sub)           # [m, vocab]
+        drawn = _draw(probs, [generators[i] for i in random_rows])           # [m]
+        tokens = tokens.index_copy(0, rows, drawn)
+        for j, i in enumerate(random_rows):
+            probs_out[i] = probs[j]
+    return tokens.tolist(), probs_out
+
+
+def _probs(logits: torch.Tensor,   # [m, vocab] float32
+           params: list[SamplingParams]) -> torch.Tensor:
+    """[m, vocab]: softmax of the temperature-scaled, truncated logits."""
+    vocab = logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    scaled = logits / temperature[:, None]                                   # a fresh tensor: editable
+    if any(p.min_p > 0 for p in params):
+        apply_min_p(scaled, torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device))
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]   # vocab = off
+    max_top_k = max((k for k in top_ks if k < vocab), default=0)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if max_top_k or use_top_p:
+        scaled = apply_top_k_top_p(scaled, torch.tensor(top_ks, device=logits.device),
+                                   torch.tensor([p.top_p for p in params], dtype=logits.dtype,
+                                                device=logits.device),
+                                   max_top_k=max_top_k, use_top_p=use_top_p)
+    return scaled.softmax(dim=-1)
+
+
+def _draw(probs: torch.Tensor,    # [m, vocab] rows sum to 1
+          generators: list[torch.Generator | None]) -> torch.Tensor:
+    """[m] long: one multinomial draw per row, seeded rows from their own generator."""
+    drawn = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    free = [i for i, g in enumerate(generators) if g is None]
+    if free:
+        idx = torch.tensor(free, dtype=torch.long, device=probs.device)
+        drawn[idx] = torch.multinomial(probs.index_select(0, idx), 1).squeeze(1)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            drawn[i] = torch.multinomial(probs[i], 1, generator=gen).squeeze(0)
+    return drawn

@@ -1,0 +1,234 @@
+"""HiddenStateDrafter: the shared machinery of heads fed by the target's hidden states (EAGLE-3, MTP).
+
+A head has n >= 1 layers (EAGLE-3: 1; MTP: the checkpoint's next-n layers). Each layer m keeps its own
+KV in a drafter cache (speculators/draft_kv.py). Notation: t_j is the request's token at position j,
+h_b the target's state at position b ("base" b), g^m_b layer m's output for base b.
+
+  layer 0, base b:  input (h_b, t_{b+1}), RoPE position b            -> g^0_b predicts t_{b+2}
+  layer m, base b:  input (g^{m-1}_b, t_{b+m+1}), RoPE position b    -> g^m_b predicts t_{b+m+2}
+
+(DeepSeek-V3's depth-m module at position b; for m = 0 this is the FORMATS.md alignment "row i pairs
+the hidden at position i with token i+1, positions not shifted".)
+
+observe() (after every target forward, prefill chunks included) catches every layer up on the rows
+whose inputs are real: layer 0 on the target rows that stay in the context, layer m on bases whose
+token t_{b+m+1} is known. Layer m therefore lags layer 0 by m bases; the outputs of layer m-1 that
+layer m has not consumed yet wait in carry[m-1]. Rows the target rejected are never observed, so
+the head's rollback is its `ends` counters alone.
+
+propose(), with N = num_tokens (the last token t_{N-1} has no target state yet):
+  step 0:        d_1 from g^0_{N-2} (already computed by observe: no forward)
+  step s < n:    layer s on bases [ends[s], N-1) (s rows in steady state), the tokens t_{b+s+1} being
+                 known tokens or drafts d_1..d_s; the last row gives d_{s+1}
+  step s >= n:   chained beyond the depth, reusing the LAST layer: one row at base N-1+s-n with
+                 input (its previous output, d_s), as EAGLE-3 and vLLM chain a single head
+KV written by draft rows is speculative: the next observe overwrites it.
+
+Worked example, EAGLE-3 (n = 1), k = 3, context t_0..t_4 (N = 5), target states h_0..h_3:
+  observe computed g_0..g_3 (rows (h_b, t_{b+1}) at positions 0..3); d_1 = argmax logits(g_3);
+  step 1: row (g_3, d_1) at position 4 -> g'; d_2 = argmax logits(g');
+  step 2: row (g', d_2) at position 5 -> d_3.
+  The target accepts d_1 and emits r: next observe runs rows (h_4, d_1), (h_5, r) at positions 4, 5.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from server.models.attention import AttentionMetadata
+from speculators.base import DraftProposal, VerifiedStep
+from speculators.draft_kv import DraftKVCache, DraftSeq, KVCache
+from speculators.draft_sampling import draft_generator, sample_drafts
+
+
+class DraftHead(Protocol):
+    num_layers: int
+    hidden_size: int
+
+    def target_states(self, step: VerifiedStep, rows: torch.Tensor) -> torch.Tensor:
+        """rows [r] int64 token rows of the step -> layer-0 hidden inputs [r, H] (EAGLE-3: fc of the taps)."""
+        ...
+
+    def layer(self, m: int, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+              max_position: int, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """hidden [r, H], token_ids [r], positions [r] absolute (all < max_position: sizes the RoPE table
+        without a device sync) -> [r, H] the state fed to the next step."""
+        ...
+
+    def logits(self, m: int, states: torch.Tensor) -> torch.Tensor:
+        """states [r, H] from layer m -> [r, target vocab] float32 (-inf outside a reduced draft vocab)."""
+        ...
+
+
+@dataclass
+class _HeadSeq:
+    kv: DraftSeq
+    ends: list[int]                  # [n] layer m holds valid KV for bases [kv.start, ends[m])
+    carry: list[torch.Tensor]        # [n] layer m outputs for bases [ends[m+1], ends[m]); last layer: last row
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class _Rows:
+    """One request's rows in a layer forward: bases [lo, hi), their hidden inputs and tokens."""
+    seq: _HeadSeq
+    lo: int
+    hi: int
+    hidden: torch.Tensor             # [hi - lo, H]
+    tokens: list[int]                # [hi - lo]
+
+
+@dataclass
+class _Live:
+    index: int
+    request: object
+    seq: _HeadSeq
+    k: int
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+    outputs: torch.Tensor | None = None   # [rows, H] the last step's layer outputs (bases ending at the last row)
+
+
+class HiddenStateDrafter:
+    def __init__(self, head: DraftHead, cache: DraftKVCache) -> None:
+        self.head = head
+        self.cache = cache
+        self.n = head.num_layers
+        self.device = cache.device
+        self.dtype = cache.caches[0][0].dtype
+        self._seqs: dict[str, _HeadSeq] = {}
+
+    # -- observe: catch up on the target's states ---------------------------------------------------
+    @torch.inference_mode()
+    def observe(self, step: VerifiedStep) -> None:
+        items, rows = [], []
+        for i, req in enumerate(step.requests):
+            start, valid = step.num_computed_before[i], step.valid_lens[i]
+            seq = self._sync(req, start)
+            if not self.cache.reserve(seq.kv, start + valid):
+                self.release(req)       # cache full: restart from a later position next time
+                continue
+            items.append((req, seq, start + valid))
+            rows.append(torch.arange(step.token_offsets[i], step.token_offsets[i] + valid))
+        if not items:
+            return
+        inputs = self.head.target_states(step, torch.cat(rows).to(self.device))     # [sum(valid), H]
+        outputs = list(inputs.split([len(r) for r in rows]))
+        for m in range(self.n):
+            batch: list[_Rows] = []
+            for j, (req, seq, end0) in enumerate(items):
+                # bases whose inputs exist: layer 0 up to end0; layer m up to what layer m-1 computed,
+                # and only where the token t_{b+m+1} is known
+                lo = seq.ends[m]
+                hi = min(end0 if m == 0 else seq.ends[m - 1], req.num_tokens - m - 1)
+                hidden = outputs[j] if m == 0 else torch.cat([seq.carry[m - 1], outputs[j]])
+                count = max(0, hi - lo)
+                if m > 0:
+                    seq.carry[m - 1] = hidden[count:]
+                tokens = req.token_slice(lo + m + 1, lo + count + m + 1)            # t_{b+m+1}
+                batch.append(_Rows(seq, lo, lo + count, hidden[:count], tokens))
+            outputs = self._run_layer(m, batch)
+            for rows_m, out in zip(batch, outputs):
+                rows_m.seq.ends[m] = rows_m.hi
+                if m == self.n - 1 and out.shape[0]:
+                    rows_m.seq.carry[m] = out[-1:]
+
+    def _sync(self, req, start: int) -> _HeadSeq:
+        """The request's state if it continues exactly at `start`; otherwise a fresh one starting there
+        (first sight, a cached target prefix, or a restart after the drafter cache was full)."""
+        seq = self._seqs.get(req.request_id)
+        if seq is not None and seq.ends[0] == start:
+            return seq
+        if seq is not None:
+            self.cache.free(seq.kv)
+        empty = torch.empty(0, self.head.hidden_size, dtype=self.dtype, device=self.device)   # [0, H]
+        seq = self._seqs[req.request_id] = _HeadSeq(
+            kv=DraftSeq(start=start), ends=[start] * self.n, carry=[empty] * self.n,
+            generator=draft_generator(req.sampling_params, self.device))
+        return seq
+
+    # -- propose: k draft steps, batched -------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
+        live: list[_Live] = []
+        for i, (req, k) in enumerate(zip(requests, ks)):
+            seq = self._seqs.get(req.request_id)
+            n_tok = req.num_tokens
+            if k <= 0 or seq is None or seq.ends[0] != n_tok - 1 or seq.carry[0].shape[0] == 0:
+                continue                # not in sync with the target (e.g. drafter cache was full)
+            if not self.cache.reserve(seq.kv, n_tok - 1 + max(0, k - self.n)):
+                continue
+            live.append(_Live(i, req, seq, k))
+        if live:
+            first = torch.cat([item.seq.carry[0][-1:] for item in live])             # [a, H] = g^0_{N-2}
+            self._sample(live, self.head.logits(0, first))
+            for item, row in zip(live, first):
+                # step 0 ran no layer: with n > 1, layer 1 reads g^0_{N-2} from carry[0] (outputs empty);
+                # with n = 1 the chained step reads it from here
+                item.outputs = row[None][:0] if self.n > 1 else row[None]                # [0 | 1, H]
+            for s in range(1, max(item.k for item in live)):
+                self._step(s, [item for item in live if item.k > s])
+        token_ids: list[list[int]] = [[] for _ in requests]
+        probs: list[torch.Tensor | None] = [None for _ in requests]
+        for item in live:
+            token_ids[item.index] = item.tokens
+            probs[item.index] = torch.stack(item.probs) if item.probs else None      # [k_i, vocab]
+        return DraftProposal(token_ids, probs)
+
+    def _step(self, s: int, items: list[_Live]) -> None:
+        m = min(s, self.n - 1)
+        batch: list[_Rows] = []
+        for item in items:
+            n_tok, seq = item.request.num_tokens, item.seq
+            if s < self.n:     # layer s on every base it lacks up to N-2, fed by layer s-1
+                lo, hi = seq.ends[s], n_tok - 1
+                hidden = torch.cat([seq.carry[s - 1], item.outputs])
+            else:              # chained beyond the depth: the last layer again, one base further
+                lo = n_tok - 1 + s - self.n
+                hi = lo + 1
+                hidden = item.outputs[-1:]
+            tokens = [self._token(item, j) for j in range(lo + m + 1, hi + m + 1)]
+            batch.append(_Rows(seq, lo, hi, hidden, tokens))
+        outputs = self._run_layer(m, batch)
+        for item, out in zip(items, outputs):
+            item.outputs = out
+        last = torch.cat([out[-1:] for out in outputs])                               # [a, H]
+        self._sample(items, self.head.logits(m, last))
+
+    @staticmethod
+    def _token(item: _Live, j: int) -> int:
+        """t_j of the request, or the draft standing at position j."""
+        n_tok = item.request.num_tokens
+        return item.request.token_slice(j, j + 1)[0] if j < n_tok else item.tokens[j - n_tok]
+
+    # -- shared ---------------------------------------------------------------------------------------
+    def _run_layer(self, m: int, batch: list[_Rows]) -> list[torch.Tensor]:
+        """One varlen forward of layer m over every request's rows -> per request [rows, H]."""
+        work = [r for r in batch if r.hi > r.lo]
+        if not work:
+            return [r.hidden[:0] for r in batch]
+        attn, positions = self.cache.metadata([r.seq.kv for r in work], [r.hi - r.lo for r in work],
+                                              [r.hi for r in work])
+        hidden = torch.cat([r.hidden for r in work])                                 # [rows, H]
+        tokens = torch.tensor([t for r in work for t in r.tokens], dtype=torch.long, device=self.device)
+        out = self.head.layer(m, hidden, tokens, positions, max(r.hi for r in work), attn,
+                              self.cache.caches[m])                                  # [rows, H]
+        pieces = iter(out.split([r.hi - r.lo for r in work]))
+        return [next(pieces) if r.hi > r.lo else r.hidden[:0] for r in batch]
+
+    @staticmethod
+    def _sample(items: list[_Live], logits: torch.Tensor) -> None:
+        tokens, probs = sample_drafts(logits, [it.request.sampling_params for it in items],
+                                      [it.seq.generator for it in items])
+        for item, tok, prob in zip(items, tokens, probs):
+            item.tokens.append(tok)
+            if prob is not None:
+                item.probs.append(prob)
+
+    def release(self, request) -> None:
+        seq = self._seqs.pop(request.request_id, None)
+        if seq is not None:
+            self.cache.free(seq.kv)
