@@ -10,7 +10,7 @@ import torch
 from server.config import EngineConfig
 from server.engine.block_manager import BlockManager
 from server.engine.engine import Engine
-from server.engine.kv_cache import num_blocks_for_budget
+from server.engine.kv_cache import kv_cache_bytes_per_block
 from server.engine.model_runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.spec_dispatch import SpecDispatcher
@@ -97,7 +97,13 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {mcfg.vocab_size}")
     max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     budget = int(cfg.kv_cache_memory_gb * (1 << 30))
-    num_blocks = num_blocks_for_budget(mcfg, cfg.block_size, dtype, budget)
+    # One budget for everyone: each target block comes with one block in every drafter's own cache.
+    target_bpb = kv_cache_bytes_per_block(mcfg, cfg.block_size, dtype)
+    drafter_bpb = drafter_bytes_per_block(cfg, model_dir, mcfg, cfg.block_size, dtype)
+    num_blocks = budget // (target_bpb + drafter_bpb)
+    if num_blocks < 1:
+        raise ValueError(f"--kv-cache-memory-gb {cfg.kv_cache_memory_gb} holds no KV block "
+                         f"({target_bpb + drafter_bpb} bytes each); raise it")
     log.info("model %s: %s, %s on %s, %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
              name, mcfg.architecture, dtype, device, num_blocks, cfg.block_size,
              cfg.kv_cache_memory_gb, max_len)
@@ -117,17 +123,15 @@ def build_speculators(cfg: EngineConfig, runner: ModelRunner, tokenizer: Tokeniz
     draft: --draft-model (refused unless it shares the target's vocabulary); eagle3: --eagle3;
     mtp: automatic when the target checkpoint declares num_nextn_predict_layers > 0. Serving the embedded
     target (no --model), the embedded draft and EAGLE-3 head come along unless flags name others.
-    Each model-based drafter owns a KV cache with the target's block count (speculators/draft_kv.py).
+    Each model-based drafter owns a KV cache with the target's block count (speculators/draft_kv.py);
+    build_engine sizes the target's count so that all caches together fit --kv-cache-memory-gb.
     """
     from speculators.ngram import NgramSpeculator
     from speculators.prediction import PredictionSpeculator
     del tokenizer
     specs: dict = {"ngram": NgramSpeculator(), "prediction": PredictionSpeculator()}
     model_dir, tok_dir = resolve_model_dir(cfg)
-    draft_dir, eagle3_dir = cfg.draft_model, cfg.eagle3
-    if cfg.model is None and model_dir is not None:     # the embedded family
-        draft_dir = draft_dir or (str(EMBEDDED_DRAFT) if (EMBEDDED_DRAFT / "config.json").is_file() else None)
-        eagle3_dir = eagle3_dir or (str(EMBEDDED_EAGLE3) if (EMBEDDED_EAGLE3 / "config.json").is_file() else None)
+    draft_dir, eagle3_dir = resolve_drafters(cfg, model_dir)
     if draft_dir is not None:
         from speculators.draft_model import DraftModelSpeculator
         specs["draft"] = DraftModelSpeculator.load(
@@ -141,3 +145,30 @@ def build_speculators(cfg: EngineConfig, runner: ModelRunner, tokenizer: Tokeniz
         specs["mtp"] = MtpSpeculator.load(model_dir, runner)
     return specs
 
+
+
+def resolve_drafters(cfg: EngineConfig, model_dir: Path | None) -> tuple[str | None, str | None]:
+    """(draft model dir, EAGLE-3 dir): the flags, else the embedded family's when serving its target."""
+    draft_dir, eagle3_dir = cfg.draft_model, cfg.eagle3
+    if cfg.model is None and model_dir is not None:
+        if draft_dir is None and (EMBEDDED_DRAFT / "config.json").is_file():
+            draft_dir = str(EMBEDDED_DRAFT)
+        if eagle3_dir is None and (EMBEDDED_EAGLE3 / "config.json").is_file():
+            eagle3_dir = str(EMBEDDED_EAGLE3)
+    return draft_dir, eagle3_dir
+
+
+def drafter_bytes_per_block(cfg: EngineConfig, model_dir: Path | None, mcfg, block_size: int,
+                            dtype: torch.dtype) -> int:
+    """KV bytes the drafters hold per target block: a draft model's layers, one layer per head layer."""
+    from server.models.config import load_config
+    per_layer = kv_cache_bytes_per_block(mcfg, block_size, dtype) // mcfg.num_hidden_layers
+    draft_dir, eagle3_dir = resolve_drafters(cfg, model_dir)
+    total = 0
+    if draft_dir is not None:
+        total += kv_cache_bytes_per_block(load_config(draft_dir), block_size, dtype)
+    if eagle3_dir is not None:
+        total += per_layer
+    if model_dir is not None:
+        total += per_layer * mcfg.num_nextn_predict_layers
+    return total
