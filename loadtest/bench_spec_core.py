@@ -1,8 +1,10 @@
-"""Speculative core benchmark: tokens/s with ngram and prediction vs none, batch 1, greedy, one run.
+"""Speculative benchmark: tokens/s per method vs none, batch 1, greedy, side by side in one run.
 
 Workloads: (a) code editing (output mostly repeats the input) with ngram, with an exact prediction
 (the model's own greedy output) and with the user's expected edit as prediction; (b) free completion.
-Also the verification cost v(k) = target forward over k+1 tokens / over 1 token at the same context.
+Also the verification cost v(k) = target forward over k+1 tokens / over 1 token at the same context,
+and for model-based methods (draft, eagle3, mtp, when loaded) the cost ratio c = one draft step /
+one target decode step, with the speedup the model predicts: E[tokens/step] / (k*c + v(k)).
 
 Run: python -m loadtest.bench_spec_core [--model DIR] [--dtype bfloat16] [--k 4]
 With no --model it uses the embedded target if present, else a random ~30M Llama (acceptance on a
@@ -34,6 +36,26 @@ def run(eng: OfflineEngine, prompts, spec: SpecParams, new: int, preds=None) -> 
         total_tokens += len(out.token_ids)
         outs.append(out)
     return total_tokens / total_time, outs
+
+
+class ProposeTimer:
+    """Wraps a speculator's propose() to measure seconds per draft step (k steps per call)."""
+
+    def __init__(self, spec) -> None:
+        self.spec, self.inner = spec, spec.propose
+        self.seconds, self.steps = 0.0, 0
+        spec.propose = self
+
+    def __call__(self, requests, ks):
+        t = time.perf_counter()
+        out = self.inner(requests, ks)
+        self.seconds += time.perf_counter() - t
+        self.steps += max(ks)
+        return out
+
+    def restore(self) -> float:
+        self.spec.propose = self.inner
+        return self.seconds / self.steps if self.steps else float("nan")
 
 
 def mean_acceptance(outs) -> float:
@@ -72,9 +94,14 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--ks", type=lambda x: [int(v) for v in x.split(",")], default=[1, 2, 4, 6],
+                    help="k values for the model-based methods")
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--eagle3", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    eng = OfflineEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_gb=0.5))
+    eng = OfflineEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_gb=0.5,
+                                                 draft_model=args.draft_model, eagle3=args.eagle3))
     tok = eng.engine.tokenizer
     edits = load_prompt_set("code_editing", args.num_prompts)
     edit_prompts = [tok.encode(r["prompt"]) for r in edits]
@@ -98,8 +125,27 @@ def main() -> None:
         for method, tps, outs in rows:
             assert [o.token_ids for o in outs] == exact, f"{method} changed greedy output"
             print(f"{name:14} {method:22} {tps:8.1f} {tps / base:8.2f} {mean_acceptance(outs):10.2f}")
-    vk = verify_cost(eng, context=256, ks=[1, 2, 4, 8])
+    vk = verify_cost(eng, context=256, ks=sorted({1, 2, 4, 8, k}))
     print("verification cost v(k) at context 256: " + "  ".join(f"v({k})={v:.2f}" for k, v in vk.items()))
+    model_based(eng, free, args, vk)
+
+
+def model_based(eng: OfflineEngine, prompts, args, vk: dict[int, float]) -> None:
+    """draft / eagle3 / mtp when loaded: speedup, acceptance, c, and the predicted speedup."""
+    methods = [m for m in ("draft", "eagle3", "mtp") if m in eng.engine.spec.speculators]
+    if not methods:
+        print("model-based speculators: none loaded (serve the embedded family or pass flags)")
+        return
+    base, _ = run(eng, prompts, SpecParams(), args.new_tokens)    # 1 / base = one plain decode step
+    print(f"{'method':10} {'k':>3} {'tok/s':>8} {'vs none':>8} {'accept len':>10} {'c':>6} {'predicted':>9}")
+    for m in methods:
+        for k in args.ks:
+            timer = ProposeTimer(eng.engine.spec.speculators[m])
+            tps, outs = run(eng, prompts, SpecParams(m, k), args.new_tokens)
+            c = timer.restore() / (1.0 / base)
+            tau = mean_acceptance(outs)
+            v = vk.get(k) or verify_cost(eng, 256, [k])[k]
+            print(f"{m:10} {k:3d} {tps:8.1f} {tps / base:8.2f} {tau:10.2f} {c:6.3f} {tau / (k * c + v):9.2f}")
 
 
 if __name__ == "__main__":
