@@ -38,25 +38,33 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA; on CPU bf16 only where a quick matmul probe shows it is faster than fp32."""
+    """auto: bf16 on CUDA; on CPU bf16 only where a matmul probe shows it faster than fp32.
+
+    The probe times both a decode-sized (1 row) and a batch-sized (32 rows) product: on CPUs without
+    native bf16 (AVX2-only, e.g. the 2-core dev box) bf16 can win the memory-bound single row yet be
+    ~50x slower once a batch makes it compute-bound, so bf16 must win both.
+    """
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16
-    a32 = torch.randn(1, 1024)
     w32 = torch.randn(1024, 1024)
-    a16, w16 = a32.bfloat16(), w32.bfloat16()
+    w16 = w32.bfloat16()
 
-    def bench(a, w) -> float:
-        for _ in range(3):
+    def bench(a: torch.Tensor, w: torch.Tensor) -> float:
+        for _ in range(2):
             a @ w
         t = time.perf_counter()
-        for _ in range(50):
+        for _ in range(10):
             a @ w
         return time.perf_counter() - t
-    t32, t16 = bench(a32, w32), bench(a16, w16)
-    dtype = torch.bfloat16 if t16 < 0.8 * t32 else torch.float32
-    log.info("dtype auto on CPU: bf16 matvec %.2fx fp32 speed -> %s", t32 / t16, dtype)
+    ratios = []
+    for rows in (1, 32):
+        a32 = torch.randn(rows, 1024)
+        ratios.append(bench(a32, w32) / bench(a32.bfloat16(), w16))
+    dtype = torch.bfloat16 if min(ratios) > 1.25 else torch.float32
+    log.info("dtype auto on CPU: bf16 speed vs fp32 %.2fx (1 row), %.2fx (32 rows) -> %s",
+             ratios[0], ratios[1], dtype)
     return dtype
 
 

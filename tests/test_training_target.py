@@ -1,0 +1,104 @@
+"""Target + MTP: trains (loss falls), resumes exactly, exports a checkpoint plain HF loads with equal logits."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from training import common
+from training.export import export_llama, load_llama
+from training.lm_loop import LMTrainConfig, train_lm
+from training.model import LlamaLM, LlamaSpec, flops_per_token
+from training.train_draft import DRAFT
+from training.train_target import PRESETS
+
+TINY = LlamaSpec(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, num_nextn_predict_layers=1)
+
+
+@pytest.fixture(scope="module")
+def streams():
+    tok = common.load_tokenizer()
+    text = (common.REPO / "training" / "common.py").read_text()
+    s = common.encode_documents(tok, [text] * 4)
+    return s, s[: len(s) // 4]
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(name="t", spec=TINY, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=1, tokens=4 * 32 * 6,
+                eval_windows=4, eval_seq_len=32, final_eval_windows=4, eval_every_s=1e9, log_every=1000,
+                threads=1, seed=0)
+    base.update(kw)
+    return LMTrainConfig(**base)
+
+
+def test_tiny_target_trains_and_resumes(tmp_path, monkeypatch, streams):
+    monkeypatch.setattr(common, "RUNS_DIR", tmp_path)
+    torch.manual_seed(0)
+    before = LlamaLM(TINY)
+    w = torch.from_numpy(streams[0][:4 * 33].astype("int64")).view(4, 33)
+    with torch.no_grad():
+        m0, t0 = before.losses(w)
+    model, summary = train_lm(_cfg(tmp_path, name="full"), *streams)
+    with torch.no_grad():
+        m1, t1 = model.losses(w)
+    assert m1 < m0 - 0.5 and t1 < t0 - 0.5, (m0, m1, t0, t1)
+    assert summary["finished"] and summary["steps"] == 6
+    # cut the run into three invocations (a session being stopped) and resume: identical weights
+    for _ in range(3):
+        resumed, s = train_lm(_cfg(tmp_path, name="cut", stop_after_steps=2), *streams)
+        if s["finished"]:
+            break
+    for (k, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_export_loads_in_hf_and_ignores_mtp(tmp_path, dtype):
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(1)
+    model = LlamaLM(TINY)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    out = export_llama(model, tmp_path / "ckpt", dtype=dtype, mtp_loss_weight=0.3)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
+    assert cfg["num_key_value_heads"] < cfg["num_attention_heads"]
+    assert cfg["mtp"]["concat_order"] == "embedding_then_hidden" and cfg["mtp"]["hidden_state"] == "post_final_norm"
+    sd = load_file(str(out / "model.safetensors"))
+    L = TINY.num_hidden_layers
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "input_layernorm.weight",
+                 "post_attention_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                 "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                 "mlp.down_proj.weight"):
+        assert f"model.layers.{L}.{name}" in sd
+    assert sd[f"model.layers.{L}.eh_proj.weight"].shape == (TINY.hidden_size, 2 * TINY.hidden_size)
+    assert all(t.dtype == dtype for t in sd.values())
+    hf = LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert len(hf.model.layers) == L
+    # compare against the training model holding the same (possibly bf16-rounded) weights, in fp32
+    ref = load_llama(out).eval()
+    x = torch.randint(0, TINY.vocab_size, (2, 40))
+    with torch.no_grad():
+        a, b = ref(x), hf(x).logits
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    if dtype == torch.float32:
+        with torch.no_grad():
+            assert torch.allclose(model(x), b, atol=1e-4, rtol=1e-4)
+    # the MTP weights round-trip through the checkpoint
+    with torch.no_grad():
+        h, _ = model.trunk(x)
+        h2, _ = ref.trunk(x)
+        tol = 1e-4 if dtype == torch.float32 else 1e9
+        assert (model.mtp_logits(x, h) - ref.mtp_logits(x, h2)).abs().max() < tol
+
+
+def test_preset_sizes():
+    target = PRESETS["target"]
+    with torch.device("meta"):
+        m = LlamaLM(target)
+    main_params = sum(p.numel() for n, p in m.named_parameters() if not n.startswith("mtp."))
+    assert 25e6 <= main_params <= 40e6
+    assert target.num_key_value_heads < target.num_attention_heads
+    assert flops_per_token(DRAFT) <= flops_per_token(target) / 8

@@ -1,0 +1,115 @@
+"""One command for the whole embedded family, from scratch, fixed seeds, resumable:
+
+    python -m training.all --threads 2              # (make train-embedded) the real run, ~170 min on 2 cores
+    python -m training.all --smoke                  # tiny end-to-end check of the pipeline (~3 min, runs/smoke/)
+
+Stages (each is skipped when its export already exists, and resumes from runs/<name>/ckpt.pt when cut):
+  1. tokenizer  retrained from the corpus and compared byte for byte with the committed models/tokenizer
+  2. target     training.train_target   (Llama + MTP)            -> models/target
+  3. draft      training.train_draft                              -> models/draft
+  4. eagle3     training.train_eagle3   (on the frozen target)    -> models/eagle3
+  5. evaluate   training.evaluate       (losses, samples, acceptance) -> runs/eval/results.json
+  6. card       training.model_card     -> models/README.md
+Budgets are minutes of training per stage (the plan in training/README.md); --scale multiplies them all.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from training import common
+
+PLAN_MINUTES = {"target": 150.0, "draft": 30.0, "eagle3": 50.0}
+EXIT_RESUME = 75   # "not finished, rerun to resume" (EX_TEMPFAIL)
+
+
+def check_tokenizer() -> None:
+    from training.tokenizer import build_tokenizer, save_tokenizer
+    from training.corpus import load_corpus
+    with tempfile.TemporaryDirectory() as d:
+        save_tokenizer(build_tokenizer(load_corpus().train_texts()), Path(d))
+        new = hashlib.sha256((Path(d) / "tokenizer.json").read_bytes()).hexdigest()
+    shipped = common.TOKENIZER_DIR / "tokenizer.json"
+    if not shipped.exists():
+        sys.exit("models/tokenizer is missing: run python -m training.tokenizer first")
+    old = hashlib.sha256(shipped.read_bytes()).hexdigest()
+    if new != old:
+        sys.exit(f"retrained tokenizer {new[:12]} != committed {old[:12]} (different Python stdlib?); "
+                 "the committed tokenizer is final: rerun with --skip-tokenizer-check to train on it anyway")
+    print(f"[all] tokenizer reproduced byte for byte ({old[:12]})", flush=True)
+
+
+def _parse_budgets(text: str | None) -> dict[str, str]:
+    """"target=2.7e7,draft=2e7" -> {"target": "2.7e7", ...} (token budgets that replace the minute plan)."""
+    out = {}
+    for part in filter(None, (text or "").split(",")):
+        k, v = part.split("=")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every stage's planned minutes")
+    ap.add_argument("--tokens", default=None, help="token budgets instead of minutes, e.g. target=2.7e7,draft=2e7")
+    ap.add_argument("--session-minutes", type=float, default=None,
+                    help="stop cleanly (checkpoint) after this long; rerun the same command to resume")
+    ap.add_argument("--only", choices=["target", "draft", "eagle3", "evaluate", "card"], nargs="*")
+    ap.add_argument("--smoke", action="store_true", help="tiny models, tiny budgets, outputs under runs/smoke")
+    ap.add_argument("--skip-tokenizer-check", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cuda when a GPU is lent (bf16 autocast; give --tokens)")
+    args = ap.parse_args(argv)
+    from training import evaluate, model_card, train_draft, train_eagle3, train_target
+    t0 = time.time()
+    stages = args.only or ["target", "draft", "eagle3", "evaluate", "card"]
+    models = common.RUNS_DIR / "smoke" / "models" if args.smoke else common.REPO / "models"
+    prefix = "smoke-" if args.smoke else ""
+    tokens = _parse_budgets(args.tokens)
+    if args.smoke:
+        tokens = {"target": "2e4", "draft": "1e4", "eagle3": "4e3", **tokens}
+    if not args.smoke and not args.skip_tokenizer_check:
+        check_tokenizer()
+
+    def common_args(stage: str) -> list[str]:
+        a = ["--name", prefix + stage, "--out", str(models / stage), "--threads", str(args.threads),
+             "--device", args.device]
+        a += ["--tokens", tokens[stage]] if stage in tokens else ["--minutes", str(PLAN_MINUTES[stage] * args.scale)]
+        if args.session_minutes is not None:
+            left = args.session_minutes - (time.time() - t0) / 60
+            if left < 1:
+                print(f"[all] session time used up before {stage}; rerun the same command to resume", flush=True)
+                sys.exit(EXIT_RESUME)
+            a += ["--stop-after-minutes", f"{left:.1f}"]
+        return a
+
+    smoke = {"target": ["--preset", "tiny", "--batch-size", "4", "--seq-len", "64", "--eval-windows", "4",
+                        "--final-eval-windows", "8"],
+             "draft": ["--batch-size", "4", "--seq-len", "64", "--eval-windows", "4", "--final-eval-windows", "8"],
+             "eagle3": ["--batch-size", "2", "--seq-len", "64", "--eval-windows", "2"]}
+    trainers = {"target": train_target.main, "draft": train_draft.main, "eagle3": train_eagle3.main}
+    for stage in ("target", "draft", "eagle3"):
+        done = models / stage / "model.safetensors"
+        if stage not in stages or done.exists():
+            continue
+        extra = ["--target", str(models / "target")] if stage == "eagle3" else []
+        trainers[stage](common_args(stage) + extra + (smoke[stage] if args.smoke else []))
+        if not done.exists():
+            print(f"[all] {stage} is not finished (stopped for the session); rerun the same command to resume",
+                  flush=True)
+            sys.exit(EXIT_RESUME)
+    results = common.RUNS_DIR / (prefix + "eval") / "results.json"
+    if "evaluate" in stages:
+        evaluate.main(["--models", str(models), "--out", str(results), "--threads", str(args.threads)]
+                      + (["--prompts", "2", "--new-tokens", "16", "--heldout-windows", "8"] if args.smoke else []))
+    if "card" in stages:
+        model_card.main(["--models", str(models), "--results", str(results)])
+    print(f"[all] done in {(time.time() - t0) / 60:.1f} min", flush=True)
+
+
+if __name__ == "__main__":
+    main()
