@@ -41,3 +41,22 @@ lint: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+.PHONY: fuzz soak flood
+
+# Schemathesis against the server's own /openapi.json with many more examples than `make test` runs.
+fuzz: venv
+	SPECSERVE_FUZZ_EXAMPLES=$${SPECSERVE_FUZZ_EXAMPLES:-400} $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_schemathesis.py
+
+# N minutes of mixed load with disconnects and bad requests (not in CI): leaked blocks, RSS growth, errors.
+soak: venv
+	$(BIN)/python -m loadtest.soak $(or $(ARGS),--tiny --minutes 20)
+
+# p99 latency of normal requests with / without a flood of bad requests.
+flood: venv
+	$(BIN)/python -m loadtest.flood_latency $(or $(ARGS),--tiny)
+
+bench-metrics: venv
+	$(BIN)/python -m loadtest.bench_metrics $(ARGS)
+
+include training/Makefile.inc

@@ -1,8 +1,8 @@
-"""`specserve serve [flags]`: flags -> EngineConfig / ServerConfig / Limits -> app -> uvicorn.
+"""`specserve serve [flags]`: flags -> EngineConfig / ServerConfig / Limits / LifecycleConfig -> app -> uvicorn.
 
-Every config field has exactly one flag (tests/test_cli.py derives the field list from the
-dataclasses, so a new field without a flag fails). Defaults are read from the dataclasses, never
-repeated here.
+Every config field has exactly one flag (tests/test_cli.py and tests/test_lifecycle.py derive the
+field lists from the dataclasses, so a new field without a flag fails). Defaults are read from the
+dataclasses, never repeated here.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from server.api.lifecycle import LifecycleConfig
 from server.api.limits import Limits
 from server.config import DTYPES, EngineConfig, ServerConfig, parse_speculation
 
@@ -87,17 +88,39 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
 
 def _limit_flags(p: argparse.ArgumentParser) -> None:
     lim = Limits()
-    g = p.add_argument_group("request limits (larger requests get a 400)")
+    g = p.add_argument_group("request limits (larger requests get a 400, 413 or 431; see SECURITY.md)")
     docs = {"max_n": "choices per request (n, best_of)",
             "max_logprobs": "completions `logprobs` and chat `top_logprobs`",
             "max_stop": "stop strings (and stop_token_ids) per request",
             "max_stop_len": "characters per stop string",
             "max_logit_bias": "logit_bias entries per request",
             "max_prompts": "prompts in one /v1/completions request",
-            "max_messages": "messages in one chat request"}
+            "max_messages": "messages in one chat request",
+            "max_body_bytes": "bytes in a request body (413 beyond, before the body is read)",
+            "max_header_bytes": "bytes in all request headers together (431 beyond)",
+            "max_waiting_requests": "engine requests (prompts x n) admitted but without a first token "
+                                    "yet; beyond it new requests get 429 with Retry-After",
+            "max_waiting_tokens": "prompt tokens of those waiting requests (429 beyond)"}
     for name, doc in docs.items():
         g.add_argument(flag_for(name), type=int, default=getattr(lim, name), metavar="N",
                        help=f"most {doc} (default: %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=lim.request_timeout, metavar="SECONDS",
+                   help="longest a request may take from arrival to its last token; then its unfinished "
+                        "choices end with finish_reason 'length'. A request's `request_timeout` field may "
+                        "ask for less. Default: no limit")
+
+
+def _lifecycle_flags(p: argparse.ArgumentParser) -> None:
+    lc = LifecycleConfig()
+    g = p.add_argument_group("lifecycle and probes")
+    g.add_argument("--drain-timeout", type=float, default=lc.drain_timeout, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may finish (new ones get 503) before "
+                        "the rest are failed with 503 and the server exits 0 (default: %(default)s)")
+    g.add_argument("--public-health", action=argparse.BooleanOptionalAction, default=lc.public_health,
+                   help="/health and /ready answer without the API key (default: %(default)s)")
+    g.add_argument("--public-metrics", action=argparse.BooleanOptionalAction, default=lc.public_metrics,
+                   help="/metrics answers without the API key (default: %(default)s; without --api-key "
+                        "everything is public)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over HTTP", description="Serve a model with an "
                            "OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, "
                            "/v1/speculators, /health, /metrics).")
-    for add in (_engine_flags, _speculation_flags, _server_flags, _limit_flags):
+    for add in (_engine_flags, _speculation_flags, _server_flags, _limit_flags, _lifecycle_flags):
         add(serve)
     return parser
 
@@ -129,27 +152,33 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     return engine, server, limits
 
 
+def lifecycle_from_args(args: argparse.Namespace) -> LifecycleConfig:
+    lifecycle = LifecycleConfig(**{f: getattr(args, f) for f in _names(LifecycleConfig)})
+    lifecycle.validate()
+    return lifecycle
+
+
 def _names(cls: type) -> list[str]:
     import dataclasses
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, limits: Limits) -> int:
-    import uvicorn
-
-    from server.api.app import create_app
+def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, limits: Limits,
+          lifecycle: LifecycleConfig | None = None) -> int:
+    from server.api.app import create_app, drain
+    from server.api.http_server import DrainingServer, uvicorn_config
 
     failed: list[BaseException] = []
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
 
     def on_fatal(exc: BaseException) -> None:
         failed.append(exc)
         if server is not None:
             server.should_exit = True
-    app = create_app(engine_cfg, server_cfg, limits, on_fatal=on_fatal)
-    config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,
-                            timeout_graceful_shutdown=10)
-    server = uvicorn.Server(config)
+    app = create_app(engine_cfg, server_cfg, limits, on_fatal=on_fatal, lifecycle=lifecycle)
+    config = uvicorn_config(app, server_cfg.host, server_cfg.port, server_cfg.log_level,
+                            limits.max_header_bytes)
+    server = DrainingServer(config, drain=lambda: drain(app))
     server.run()
     return 1 if failed else 0
 
@@ -162,12 +191,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         engine_cfg, server_cfg, limits = configs_from_args(args)
+        lifecycle = lifecycle_from_args(args)
     except ValueError as exc:
         print(f"specserve serve: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=server_cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(engine_cfg, server_cfg, limits)
+    return serve(engine_cfg, server_cfg, limits, lifecycle)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 The model loads in a worker thread after the server starts listening, so `/health` answers 503
 ("loading") until the engine is ready, then 200. A load failure marks the server failed (503 with the
 reason) and calls `on_fatal` (the CLI uses it to exit non-zero instead of serving nothing forever).
+Every request first passes RequestGuard (header and body caps, drain, catch-all 500); `drain()` is
+what SIGTERM runs (server/api/lifecycle.py, server/api/http_server.py).
 """
 from __future__ import annotations
 
@@ -14,13 +16,15 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server.api.errors import install_error_handlers
+from server.api.errors import APIError, install_error_handlers, without_422
+from server.api.guard import RequestGuard
+from server.api.lifecycle import Lifecycle, LifecycleConfig
 from server.api.limits import Limits
 from server.api.protocol import RequestModels
 from server.api.routes import build_router
 from server.api.state import ServerState
 from server.config import EngineConfig, ServerConfig
-from server.metrics import Metrics
+from server.metrics import Metrics, instrument_app
 
 logger = logging.getLogger("specserve.api")
 
@@ -35,13 +39,17 @@ def _load_engine(cfg: EngineConfig, on_step: Callable[..., None]) -> Any:
 def create_app(engine_config: EngineConfig, server_config: ServerConfig | None = None,
                limits: Limits | None = None, *, engine: Any = None,
                engine_factory: EngineFactory | None = None,
-               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_fatal: Callable[[BaseException], None] | None = None,
+               lifecycle: LifecycleConfig | None = None) -> FastAPI:
     """Build the app. Pass `engine` to serve an already-built AsyncEngine (the caller then owns it);
     otherwise the lifespan builds one from `engine_config` and shuts it down at exit."""
     server_config = server_config or ServerConfig()
     limits = limits or Limits()
     limits.validate()
-    state = ServerState(engine_config, server_config, limits, RequestModels.build(limits), Metrics())
+    lifecycle = lifecycle or LifecycleConfig()
+    lifecycle.validate()
+    state = ServerState(engine_config, server_config, limits, RequestModels.build(limits), Metrics(),
+                        Lifecycle(lifecycle))
     if engine is not None:
         _ready(state, engine)
     factory = engine_factory or _load_engine
@@ -61,8 +69,23 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
                   description="OpenAI-compatible inference server with per-request speculative decoding")
     app.state.specserve = state
     install_error_handlers(app)
+    without_422(app)
+    app.add_middleware(RequestGuard, state=state)     # added first: the HTTP metrics see its answers
+    instrument_app(app, state.metrics)
     app.include_router(build_router(state))
     return app
+
+
+async def drain(app: FastAPI) -> bool:
+    """Stop admitting, let in-flight requests finish up to --drain-timeout, fail the rest (503)."""
+    state: ServerState = app.state.specserve
+
+    def cut() -> None:
+        if state.engine is not None:
+            state.engine.fail_all(lambda: APIError(
+                503, "The server shut down before this request finished; retry it.",
+                code="server_shutting_down"))
+    return await state.lifecycle.drain(cut)
 
 
 async def _load(state: ServerState, factory: EngineFactory,
@@ -83,6 +106,6 @@ async def _load(state: ServerState, factory: EngineFactory,
 
 
 def _ready(state: ServerState, engine: Any) -> None:
-    state.metrics.set_model_name(engine.model_name)
+    state.metrics.set_model_name(engine.model_name, engine.speculators())
     state.engine = engine
     state.status = "ready"

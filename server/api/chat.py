@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from server.api.errors import APIError, bad_request
-from server.api.generation import ChoiceState, collect, fan_in, until_disconnect
+from server.api.generation import ChoiceState, until_disconnect
 from server.api.logprobs import chat_logprobs
 from server.api.params import (
     check_token_ids,
@@ -40,6 +40,7 @@ from server.engine.outputs import RequestOutput
 
 class ChatServing(Serving):
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
+        deadline = self.deadline(req)
         engine = self.engine_for(req.model)
         prompt = await self._render(engine, req)
         spec, notice = speculation(engine, req)
@@ -55,9 +56,10 @@ class ChatServing(Serving):
         subs = self.fan_out(call_id, [prompt], req.n, spec, params_for, prediction)
         call = Call(call_id, self.now(), engine.model_name, req, spec, notice, subs, [len(prompt)])
         if req.stream:
-            outputs = await primed(fan_in(engine, subs))
+            # Waiting for the first output (queue, prefill) also watches for the client leaving.
+            outputs = await until_disconnect(request, primed(self.outputs(engine, subs, deadline)))
             return sse_response(self._events(engine, call, outputs))
-        states = await until_disconnect(request, collect(engine, subs))
+        states = await until_disconnect(request, self.collect(engine, subs, deadline))
         return self.json(self._response(engine, call, states))
 
     async def _render(self, engine: Any, req: ChatCompletionRequest) -> list[int]:
@@ -67,10 +69,11 @@ class ChatServing(Serving):
                               "with your own prompt format", param="messages", code="no_chat_template")
         messages = [m.to_template_dict() for m in req.messages]
         try:
-            ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
+            text = await asyncio.to_thread(tokenizer.render_chat, messages)
         except Exception as exc:  # noqa: BLE001 - a template rejecting the messages is a user error
             raise bad_request(f"the chat template could not render these messages: {exc}",
                               param="messages") from None
+        ids = await self.encode(engine, text, "messages")
         check_token_ids(ids, tokenizer.vocab_size, "messages")
         return ids
 

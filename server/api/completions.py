@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from server.api.errors import APIError, bad_request
-from server.api.generation import ChoiceState, collect, fan_in, until_disconnect
+from server.api.generation import ChoiceState, until_disconnect
 from server.api.logprobs import CompletionLogprobsFormatter, merge
 from server.api.params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -40,6 +40,7 @@ class Prompt:
 
 class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, request: Request) -> Response:
+        deadline = self.deadline(req)
         engine = self.engine_for(req.model)
         prompts = await self._prompts(engine, req)
         spec, notice = speculation(engine, req)
@@ -58,9 +59,10 @@ class CompletionServing(Serving):
                     [len(p.token_ids) for p in prompts])
         choice_prompts = [prompts[i // req.n] for i in range(len(subs))]
         if req.stream:
-            outputs = await primed(fan_in(engine, subs))
+            # Waiting for the first output (queue, prefill) also watches for the client leaving.
+            outputs = await until_disconnect(request, primed(self.outputs(engine, subs, deadline)))
             return sse_response(self._events(engine, call, choice_prompts, outputs))
-        states = await until_disconnect(request, collect(engine, subs))
+        states = await until_disconnect(request, self.collect(engine, subs, deadline))
         return self.json(self._response(engine, call, choice_prompts, states))
 
     async def _prompts(self, engine: Any, req: CompletionRequest) -> list[Prompt]:
@@ -76,7 +78,7 @@ class CompletionServing(Serving):
             if isinstance(item, str):
                 if not item:
                     raise bad_request(f"{param} must not be an empty string", param=param)
-                prompts.append(Prompt(await self.encode(engine, item), item))
+                prompts.append(Prompt(await self.encode(engine, item, param), item))
             else:
                 prompts.append(Prompt(list(item), None))
             check_token_ids(prompts[-1].token_ids, engine.tokenizer.vocab_size, param)

@@ -2,13 +2,19 @@
 
 Each engine request runs in its own task that pumps its `RequestOutput` deltas into one queue; the
 HTTP side reads `(choice index, delta)` in arrival order. Closing or cancelling the reader (client
-disconnect, error in another choice) cancels every pump, and the engine aborts those requests and
-frees their KV blocks.
+disconnect, error in another choice, deadline) cancels every pump, and the engine aborts those
+requests and frees their KV blocks at its next step boundary.
+
+Admission (server/api/admission.py) happens when the reader first asks for an output: all engine
+requests at once or a 429. Each is released from the waiting count at its first output, and in any
+case when the reader goes away. A deadline ends every unfinished choice with finish_reason
+"length", keeping what was generated, as if max_tokens had been reached.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -77,8 +83,14 @@ def engine_error(exc: BaseException) -> APIError:
                     type="server_error")
 
 
-async def fan_in(engine: Any, subs: list[SubRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield (index into subs, delta) until every sub-request finished; raise APIError on failure."""
+async def fan_in(engine: Any, subs: list[SubRequest], admission: Any = None,
+                 deadline: float | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (index into subs, delta) until every sub-request finished; raise APIError on failure.
+
+    admission: an Admission to book the sub-requests with (429 raised here); deadline: event-loop time.
+    """
+    if admission is not None:
+        admission.admit([s.request_id for s in subs], [len(s.prompt_token_ids) for s in subs])
     queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, sub: SubRequest) -> None:
@@ -86,6 +98,8 @@ async def fan_in(engine: Any, subs: list[SubRequest]) -> AsyncIterator[tuple[int
             async for out in engine.generate(sub.request_id, sub.prompt_token_ids, sub.params, sub.spec,
                                              prediction_token_ids=sub.prediction_token_ids,
                                              prompt_logprobs=sub.prompt_logprobs):
+                if admission is not None:
+                    admission.release(sub.request_id)
                 queue.put_nowait((i, out, None))
         except asyncio.CancelledError:
             raise
@@ -95,28 +109,61 @@ async def fan_in(engine: Any, subs: list[SubRequest]) -> AsyncIterator[tuple[int
         queue.put_nowait((i, None, None))       # this sub-request is done
 
     tasks = [asyncio.create_task(pump(i, sub)) for i, sub in enumerate(subs)]
-    remaining = len(tasks)
+    last: list[RequestOutput | None] = [None] * len(subs)
+    done = [False] * len(subs)
     try:
-        while remaining:
-            i, out, exc = await queue.get()
+        while not all(done):
+            item = await _next(queue, deadline)
+            if item is None:                                  # deadline passed
+                for i in (i for i, d in enumerate(done) if not d):
+                    yield i, _timed_out(subs[i], last[i])
+                return
+            i, out, exc = item
             if exc is not None:
                 raise engine_error(exc)
-            if out is None:
-                remaining -= 1
+            if out is None or done[i]:          # the pump's end marker follows a finished delta
+                done[i] = True
                 continue
+            last[i] = out
+            done[i] = out.finished
             yield i, out
     finally:
         for task in tasks:
             task.cancel()
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.gather(*tasks, return_exceptions=True)
+        if admission is not None:
+            for sub in subs:
+                admission.release(sub.request_id)
 
 
-async def collect(engine: Any, subs: list[SubRequest]) -> list[ChoiceState]:
+async def _next(queue: asyncio.Queue, deadline: float | None) -> Any:
+    """The next queue item, or None once the deadline has passed."""
+    if deadline is None:
+        return await queue.get()
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining <= 0 and queue.empty():
+        return None
+    try:
+        return await asyncio.wait_for(queue.get(), max(remaining, 0))
+    except asyncio.TimeoutError:
+        return None
+
+
+def _timed_out(sub: SubRequest, last: RequestOutput | None) -> RequestOutput:
+    """The closing delta of a choice cut by its deadline: no new tokens, finish_reason "length"."""
+    if last is None:
+        return RequestOutput(sub.request_id, [], "", None, finished=True, finish_reason="length",
+                             num_prompt_tokens=len(sub.prompt_token_ids))
+    return dataclasses.replace(last, token_ids=[], text="", logprobs=None, finished=True,
+                               finish_reason="length", stop_reason=None, prompt_logprobs=None)
+
+
+async def collect(outputs: AsyncIterator[tuple[int, RequestOutput]], num_choices: int) -> list[ChoiceState]:
     """Run every sub-request to completion (non-streaming responses)."""
-    states = [ChoiceState(index=i) for i in range(len(subs))]
-    async with contextlib.aclosing(fan_in(engine, subs)) as outputs:
-        async for i, out in outputs:
+    states = [ChoiceState(index=i) for i in range(num_choices)]
+    async with contextlib.aclosing(outputs) as items:  # type: ignore[type-var]
+        async for i, out in items:
             states[i].add(out)
     for state in states:
         if state.finish_reason == "error":

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -34,6 +35,19 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
+def _valid_unicode(text: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800"): not text, and the tokenizer cannot take them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text must be valid Unicode: unpaired surrogate U+{ord(text[exc.start]):04X} "
+                         f"at character {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]      # every string a request may carry
+
+
 class OpenAIModel(BaseModel):
     # NaN/inf are never valid numbers here; unknown fields are dropped like OpenAI does.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -46,7 +60,7 @@ class StreamOptions(OpenAIModel):
 class Speculation(OpenAIModel):
     """Ours: `{"method": "ngram", "num_speculative_tokens": 4, ...method options}`."""
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-    method: str = Field(min_length=1, max_length=32)
+    method: Text = Field(min_length=1, max_length=32)
     num_speculative_tokens: int | None = Field(None, ge=0, le=64)
 
     def to_dict(self) -> dict[str, Any]:
@@ -55,13 +69,13 @@ class Speculation(OpenAIModel):
 
 class TextPart(OpenAIModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Prediction(OpenAIModel):
     """OpenAI Predicted Outputs: text the completion is expected to largely repeat (the draft source)."""
     type: Literal["content"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     @property
     def text(self) -> str:
@@ -72,19 +86,19 @@ class Prediction(OpenAIModel):
 
 class _SamplingFields(OpenAIModel):
     """Fields shared by both endpoints. Capped fields are typed here and bounded in `_shared_caps`."""
-    model: str | None = Field(None, max_length=512)
+    model: Text | None = Field(None, max_length=512)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[int, float] | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    user: str | None = None
+    user: Text | None = Field(None, max_length=512)
     # extensions (vLLM names)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -96,6 +110,9 @@ class _SamplingFields(OpenAIModel):
     # ours
     speculation: Speculation | None = None
     prediction: Prediction | None = None
+    request_timeout: float | None = Field(
+        None, gt=0, le=86400, description="seconds from arrival to the last token; past it every "
+        "unfinished choice ends with finish_reason 'length' (the server's --request-timeout still applies)")
 
     @field_validator("stream_options")
     @classmethod
@@ -117,8 +134,8 @@ class _SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    suffix: str | None = None
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    suffix: Text | None = None
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -143,16 +160,16 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class ContentPart(OpenAIModel):
-    type: str = Field(max_length=64)
-    text: str | None = None
+    type: Text = Field(max_length=64)
+    text: Text | None = None
 
 
 class ChatMessage(OpenAIModel):
     role: Role
-    content: str | list[ContentPart] | None = None
-    name: str | None = Field(None, max_length=256)
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = Field(None, max_length=256)
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = Field(None, max_length=256)
+    tool_calls: list[dict[Text, Any]] | None = None
+    tool_call_id: Text | None = Field(None, max_length=256)
 
     @model_validator(mode="after")
     def _content_rules(self) -> ChatMessage:
@@ -179,7 +196,7 @@ class ChatMessage(OpenAIModel):
 
 
 class ResponseFormat(OpenAIModel):
-    type: str = Field(max_length=64)
+    type: Text = Field(max_length=64)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -218,7 +235,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def _shared_caps(lim: Limits) -> dict[str, Any]:
-    stop_str = Annotated[str, Field(min_length=1, max_length=lim.max_stop_len)]
+    stop_str = Annotated[Text, Field(min_length=1, max_length=lim.max_stop_len)]
     bias = Annotated[dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]],
                      Field(max_length=lim.max_logit_bias)]
     return {
@@ -231,9 +248,10 @@ def _shared_caps(lim: Limits) -> dict[str, Any]:
 
 
 def _completion_caps(lim: Limits) -> dict[str, Any]:
-    ids = Annotated[list[TokenId], Field(max_length=INT32_MAX)]
-    batch = Field(max_length=lim.max_prompts)
-    prompt = str | Annotated[list[str], batch] | ids | Annotated[list[ids], batch]
+    text = Annotated[Text, Field(min_length=1)]
+    ids = Annotated[list[TokenId], Field(min_length=1, max_length=INT32_MAX)]
+    batch = Field(min_length=1, max_length=lim.max_prompts)
+    prompt = text | Annotated[list[text], batch] | ids | Annotated[list[ids], batch]
     return {
         **_shared_caps(lim),
         "prompt": (prompt, Field(...)),

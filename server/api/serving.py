@@ -1,15 +1,16 @@
 """Serving: what /v1/completions and /v1/chat/completions share.
 
-Model check, prediction tokens, the fan-out of one HTTP request into engine requests
-(prompts x n choices, choice index = prompt index * n + i), usage and speculation reports,
-and JSON rendering of responses and chunks.
+Model check, tokenization (bounded: text that cannot fit the context is refused before the tokenizer
+runs), prediction tokens, the fan-out of one HTTP request into engine requests (prompts x n choices,
+choice index = prompt index * n + i), its deadline, usage and speculation reports, and JSON
+rendering of responses and chunks.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from pydantic import BaseModel
 
 from sampling.params import SamplingParams
 from server.api.errors import bad_request
-from server.api.generation import ChoiceState, SubRequest
+from server.api.generation import ChoiceState, SubRequest, collect, fan_in
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.responses import (
     CompletionTokensDetails,
@@ -57,18 +58,37 @@ class Serving:
         self.state.check_model(model)
         return self.state.engine
 
-    @staticmethod
-    async def encode(engine: Any, text: str) -> list[int]:
-        # Long texts take a while to tokenize: keep the event loop free for other requests.
-        if len(text) < 4096:
-            return engine.tokenizer.encode(text)
-        return await asyncio.to_thread(engine.tokenizer.encode, text)
+    async def encode(self, engine: Any, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of `text`; 400 when it cannot fit the context or the tokenizer refuses it."""
+        cap = self.state.max_prompt_chars(engine)
+        if len(text) > cap:
+            raise bad_request(f"{param} is {len(text)} characters: more than this model's context of "
+                              f"{engine.max_model_len} tokens can hold whatever the text (at most {cap})",
+                              param=param, code="context_length_exceeded")
+        try:
+            if len(text) < 4096:
+                return engine.tokenizer.encode(text)
+            return await asyncio.to_thread(engine.tokenizer.encode, text)
+        except (TypeError, ValueError, UnicodeError) as exc:
+            raise bad_request(f"{param} could not be tokenized: {exc}", param=param) from None
+
+    def deadline(self, req: AnyRequest) -> float | None:
+        """Event-loop time by which the request must be done (--request-timeout, request_timeout)."""
+        timeouts = [t for t in (self.state.limits.request_timeout, req.request_timeout) if t is not None]
+        return asyncio.get_running_loop().time() + min(timeouts) if timeouts else None
+
+    def outputs(self, engine: Any, subs: list[SubRequest], deadline: float | None
+                ) -> AsyncIterator[tuple[int, Any]]:
+        return fan_in(engine, subs, self.state.admission, deadline)
+
+    async def collect(self, engine: Any, subs: list[SubRequest], deadline: float | None) -> list[ChoiceState]:
+        return await collect(self.outputs(engine, subs, deadline), len(subs))
 
     async def prediction_ids(self, engine: Any, req: AnyRequest, spec: SpecParams) -> list[int] | None:
         """Predicted Outputs' text as token ids (the prediction speculator's draft source)."""
         if req.prediction is None or spec.method != "prediction":
             return None
-        ids = await self.encode(engine, req.prediction.text)
+        ids = await self.encode(engine, req.prediction.text, "prediction")
         if len(ids) > engine.max_model_len:
             raise bad_request(f"prediction is {len(ids)} tokens, longer than the model's context "
                               f"({engine.max_model_len})", param="prediction")

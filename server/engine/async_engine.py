@@ -4,6 +4,10 @@ The event loop never blocks on the model: `generate()` enqueues a command and aw
 asyncio.Queue that the engine thread fills through `loop.call_soon_threadsafe` once per step. When the
 consumer stops iterating (client disconnected, task cancelled), the request is aborted at the next step
 boundary and its KV blocks are freed.
+
+Failure containment: a request the engine refuses to add (any exception, not only ValueError) fails
+alone and is cleaned up; an exception inside `step()` marks the engine dead (`dead`), and every
+request in flight or arriving later gets EngineDeadError instead of waiting forever.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from sampling.params import SamplingParams
 from server.config import EngineConfig, parse_speculation
@@ -43,7 +47,7 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, on_step: Callable[[StepStats], None] | None = None
-                    ) -> "AsyncEngine":
+                    ) -> AsyncEngine:
         from server.engine.builder import build_engine
         engine, name = build_engine(cfg)
         return cls(engine, cfg, name, on_step)
@@ -75,6 +79,15 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting)
 
+    # Read from the event loop while the engine thread runs: each read is one atomic len().
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.scheduler.bm.num_blocks
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.engine.scheduler.bm.num_free_blocks
+
     # -- requests ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        spec: SpecParams, prediction_token_ids: list[int] | None = None,
@@ -85,6 +98,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, q)
+        if self.dead is not None:       # died between the check above and the registration
+            self._queues.pop(request_id, None)
+            raise EngineDeadError(f"the engine has failed: {self.dead}")
         self._send(("add", request_id, prompt_token_ids, params, spec, prediction_token_ids, prompt_logprobs))
         finished = False
         try:
@@ -101,6 +117,14 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def fail_all(self, make_error: Callable[[], BaseException]) -> int:
+        """Raise a fresh `make_error()` in every request's consumer (e.g. the server's drain deadline
+        passed); each aborts its engine request as it unwinds. Returns how many were failed."""
+        rids = list(self._queues)
+        for rid in rids:
+            self._deliver_one(rid, make_error())
+        return len(rids)
 
     async def shutdown(self) -> None:
         self._stop = True
@@ -124,7 +148,7 @@ class AsyncEngine:
                 self._deliver(outputs)
                 if self.on_step is not None:
                     self.on_step(stats)
-            except Exception as exc:   # noqa: BLE001 - an engine bug must fail requests, not hang them
+            except Exception as exc:   # an engine bug must fail requests, not hang them
                 log.exception("engine step failed")
                 self.dead = exc
                 self._fail_all(EngineDeadError(f"the engine has failed: {exc}"))
@@ -141,6 +165,10 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(rid, prompt, params, spec, pred, plp)
                 except ValueError as exc:
+                    self._deliver_one(rid, exc)
+                except Exception as exc:   # one request's bug must not kill the engine
+                    log.exception("adding request %s failed", rid)
+                    self.engine.abort(rid)          # undo whatever part of the add happened
                     self._deliver_one(rid, exc)
             elif cmd[0] == "abort":
                 out = self.engine.abort(cmd[1])
