@@ -209,6 +209,10 @@ class Metrics:
         c.running.set(running)
         c.waiting.set(waiting)
 
+    def on_spec_refused(self, reason: str) -> None:
+        """A request's speculation was refused at the HTTP edge (e.g. a prediction it cannot use)."""
+        self.spec_refused.labels(self._children().name, reason).inc()
+
     def on_step(self, stats: StepStats) -> None:
         """Record one engine step. Called from the engine thread; cheap and thread-safe."""
         c = self._children()

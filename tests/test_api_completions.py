@@ -138,3 +138,21 @@ def test_speculation_stats_in_response(client):
                                       temperature=0)
     assert plain.choices[0].text == r.choices[0].text            # lossless
     assert plain.model_extra["speculation"]["method"] == "none"
+
+
+def _refused(http, reason: str) -> float:
+    total = 0.0
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("specserve:spec_decode_refused_total{") and f'reason="{reason}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_ignored_prediction_is_said_in_the_response_and_counted(client, http):
+    before = _refused(http, "prediction_ignored")
+    r = client.completions.create(model=SERVED_NAME, prompt="x = 1\n", max_tokens=4, temperature=0,
+                                  extra_body={"speculation": {"method": "ngram", "num_speculative_tokens": 2},
+                                              "prediction": {"type": "content", "content": "x = 1\n"}})
+    spec = r.model_extra["speculation"]
+    assert spec["method"] == "ngram" and "prediction ignored" in spec["notice"]
+    assert _refused(http, "prediction_ignored") == before + 1

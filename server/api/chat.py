@@ -44,6 +44,8 @@ class ChatServing(Serving):
         engine = self.engine_for(req.model)
         prompt = await self._render(engine, req)
         spec, notice = speculation(engine, req)
+        if notice is not None:
+            self.state.metrics.on_spec_refused("prediction_ignored")
         prediction = await self.prediction_ids(engine, req, spec)
         max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt), engine.max_model_len,
                                         None, "messages")

@@ -44,6 +44,8 @@ class CompletionServing(Serving):
         engine = self.engine_for(req.model)
         prompts = await self._prompts(engine, req)
         spec, notice = speculation(engine, req)
+        if notice is not None:
+            self.state.metrics.on_spec_refused("prediction_ignored")
         prediction = await self.prediction_ids(engine, req, spec)
         max_tokens = [resolve_max_tokens(req.max_tokens, len(p.token_ids), engine.max_model_len,
                                          COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt") for p in prompts]
