@@ -34,21 +34,11 @@ def load_prompt_set(name: str, n: int | None = None, seed: int = 0) -> list[dict
 
 
 def _heldout_functions(min_lines: int = 6, max_lines: int = 40) -> list[str]:
-    from training.corpus import load_corpus
-    corpus = load_corpus()
-    out = []
-    for rel in corpus.heldout_files:
-        src = corpus.read(rel)
-        try:
-            tree = ast.parse(src)
-        except SyntaxError:
-            continue
-        lines = src.splitlines()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and node.end_lineno and node.col_offset == 0:
-                if min_lines <= node.end_lineno - node.lineno + 1 <= max_lines:
-                    out.append("\n".join(lines[node.lineno - 1:node.end_lineno]) + "\n")
-    return out
+    from training.corpus import heldout_functions
+    return ["".join(lines[node.lineno - 1:node.end_lineno]).rstrip("\n") + "\n"
+            for _, node, lines in heldout_functions()
+            if isinstance(node, ast.FunctionDef) and node.col_offset == 0
+            and min_lines <= node.end_lineno - node.lineno + 1 <= max_lines]
 
 
 def _completion(fns: list[str]) -> list[dict]:
@@ -98,8 +88,7 @@ def build() -> None:
                        ("docstring_to_code", _docstring(fns)), ("prose", _prose())):
         rows = rows[:PER_SET]
         with open(PROMPT_DIR / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps({"set": name, **row}) + "\n")
+            f.writelines(json.dumps({"set": name, **row}) + "\n" for row in rows)
         print(f"{name}: {len(rows)} prompts")
 
 

@@ -17,8 +17,8 @@ local_req = [0, 0, 0, 1, 1] and local_start = [0, 3].
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -74,7 +74,7 @@ class SamplingBatch:
     @classmethod
     def build(cls, seqs: Sequence[SeqSamplingInput],
               target_logits: torch.Tensor,  # [num_rows, vocab]
-              ) -> "SamplingBatch":
+              ) -> SamplingBatch:
         seqs = list(seqs)
         num_drafts = [len(s.draft_token_ids) for s in seqs]
         num_rows = sum(num_drafts) + len(seqs)

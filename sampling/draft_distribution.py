@@ -14,8 +14,8 @@ its exponential race accepts unnormalised weights).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ class DraftDistribution:
     def build(cls, seqs: Sequence[SeqSamplingInput],
               draft_ids: torch.Tensor,   # [m, max_drafts] long
               num_drafts: torch.Tensor,  # [m] long
-              vocab_size: int) -> "DraftDistribution":
+              vocab_size: int) -> DraftDistribution:
         members, tensors = [], []
         for i, seq in enumerate(seqs):
             k = len(seq.draft_token_ids)

@@ -18,7 +18,7 @@ Rows j = 0, 1 have output lengths 1 and 2 < 3, so EOS is banned there; rows 2 an
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -10,7 +10,7 @@ logprobs = 1 gives TokenLogprob(0, ln 0.25, top=[(1, ln 0.75)]).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -1,8 +1,9 @@
 """Typed values crossing the sampler boundary (engine <-> sampling)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from sampling.params import SamplingParams
 
@@ -27,8 +28,8 @@ class SeqSamplingInput:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]           # emitted before this step (drafts not included)
     draft_token_ids: Sequence[int] = ()       # k_i >= 0 drafts being verified
-    draft_probs: "torch.Tensor | None" = None   # [k_i, vocab] float32, or None = deterministic (one-hot)
-    generator: "torch.Generator | None" = None  # per-request (seeded) generator; None -> global RNG
+    draft_probs: torch.Tensor | None = None   # [k_i, vocab] float32, or None = deterministic (one-hot)
+    generator: torch.Generator | None = None  # per-request (seeded) generator; None -> global RNG
 
 
 @dataclass

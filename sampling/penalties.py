@@ -18,7 +18,7 @@ row 1 sees {5: 1, 7: 1}; row 2 sees {5: 2, 7: 1}, so token 5 loses 1, 1 and 2 lo
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -26,7 +26,7 @@ afterwards (an accepted run may cross a stop id), and rolls back the KV of rejec
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -13,8 +13,8 @@ P(token i) = weights_i / sum(weights) because min_i(noise_i / weights_i) is an e
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ class RandomDraws:
 
     @classmethod
     def draw(cls, seqs: Sequence[SeqSamplingInput], max_drafts: int, vocab_size: int,
-             device: torch.device) -> "RandomDraws":
+             device: torch.device) -> RandomDraws:
         """Draws for the random-sampling requests `seqs`, each from its own generator if it has one."""
         uniforms = torch.rand(len(seqs), max_drafts, device=device)              # [m, max_drafts]
         noise = torch.empty(len(seqs), vocab_size, device=device).exponential_()  # [m, vocab]

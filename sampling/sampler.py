@@ -16,8 +16,8 @@ with top_k = 2 -> [0.881, 0.119, 0]; a greedy row with the same logits emits tok
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -1,8 +1,9 @@
 """The speculator interface and the per-request speculation choice."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +23,14 @@ class SpecParams:
         return 0 if self.method == "none" else self.num_speculative_tokens
 
 
+def count_accepted_positions(per_pos: list[int], num_draft: int, num_accepted: int) -> None:
+    """Grow per_pos to num_draft entries and count one acceptance at positions 0..num_accepted-1."""
+    if len(per_pos) < num_draft:
+        per_pos.extend([0] * (num_draft - len(per_pos)))
+    for i in range(num_accepted):
+        per_pos[i] += 1
+
+
 @dataclass
 class SpecStats:
     """Per-request speculation counters, reported in the response's `speculation` field."""
@@ -38,10 +47,7 @@ class SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_pos) < num_draft:
-            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
+        count_accepted_positions(self.accepted_per_pos, num_draft, num_accepted)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -51,7 +57,7 @@ class SpecStats:
 @dataclass
 class DraftProposal:
     token_ids: list[list[int]]                   # per request, k_i draft ids (k_i may be < asked, even 0)
-    draft_probs: list["torch.Tensor | None"]     # per request, [k_i, vocab] or None (deterministic drafts)
+    draft_probs: list[torch.Tensor | None]     # per request, [k_i, vocab] or None (deterministic drafts)
 
 
 @dataclass
@@ -72,9 +78,9 @@ class VerifiedStep:
     valid_lens: list[int]
     num_accepted: list[int]            # accepted drafts (0 for prefill chunks)
     sampled: list[bool]                # whether the step emitted tokens for the request
-    hidden: "torch.Tensor"             # [num_tokens, hidden] final-normed target states
-    prenorm_hidden: "torch.Tensor"     # [num_tokens, hidden] before the final norm
-    aux_hidden: list["torch.Tensor"]   # per tapped layer [num_tokens, hidden] (empty unless requested)
+    hidden: torch.Tensor             # [num_tokens, hidden] final-normed target states
+    prenorm_hidden: torch.Tensor     # [num_tokens, hidden] before the final norm
+    aux_hidden: list[torch.Tensor]   # per tapped layer [num_tokens, hidden] (empty unless requested)
 
 
 class Speculator(Protocol):

@@ -5,7 +5,7 @@ Options (request `speculation` object): prompt_lookup_min (default 1), prompt_lo
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from speculators.base import DraftProposal
 from speculators.ngram_match import TokenBuffer, longest_match

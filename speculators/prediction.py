@@ -9,8 +9,8 @@ the suffix " = 2" re-aligns the pointer after "b = 2" in the prediction and "\\n
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

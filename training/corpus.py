@@ -113,6 +113,23 @@ def load_corpus(root: Path | None = None, heldout_fraction: float = HELDOUT_FRAC
     return Corpus(root, tuple(train), tuple(held))
 
 
+def heldout_functions(corpus: Corpus | None = None):
+    """Yield (file, function node, the file's lines with line ends) for every function in the held-out
+    files, in file order then ast.walk order. Shared by evaluation prompts and loadtest prompt sets."""
+    import ast
+    corpus = corpus or load_corpus()
+    for rel in corpus.heldout_files:
+        src = corpus.read(rel)
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        lines = src.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield rel, node, lines
+
+
 def join_documents(texts: list[str]) -> str:
     """Each document followed by the end-of-text token."""
     return "".join(t + EOT for t in texts)
@@ -120,7 +137,7 @@ def join_documents(texts: list[str]) -> str:
 
 def manifest(corpus: Corpus) -> dict:
     h = hashlib.sha256("\n".join(corpus.train_files + ("--",) + corpus.heldout_files).encode())
-    size = lambda fs: sum((corpus.root / f).stat().st_size for f in fs)  # noqa: E731
+    size = lambda fs: sum((corpus.root / f).stat().st_size for f in fs)
     return {
         "python_version": sys.version.split()[0],
         "split_seed": SPLIT_SEED,

@@ -11,7 +11,6 @@ the mean acceptance length = generated tokens / target steps = 1 + accepted / dr
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import time
 from pathlib import Path
@@ -19,8 +18,8 @@ from pathlib import Path
 import torch
 
 from training import common
-from training.corpus import load_corpus
-from training.eagle3 import Eagle3Head, aux_layer_ids, target_features
+from training.corpus import heldout_functions
+from training.eagle3 import Eagle3Head, aux_layer_ids
 from training.export import load_llama
 from training.lm_loop import evaluate as lm_heldout
 from training.model import LlamaLM
@@ -29,19 +28,12 @@ from training.train_eagle3 import head_spec
 
 def function_prompts(n: int, lines: int = 3) -> list[str]:
     """The first `lines` lines of the first long-enough function of each held-out file (sorted, deterministic)."""
-    corpus = load_corpus()
-    out = []
-    for rel in corpus.heldout_files:
-        src = corpus.read(rel)
-        try:
-            tree = ast.parse(src)
-        except SyntaxError:
+    out, seen = [], set()
+    for rel, node, src_lines in heldout_functions():
+        if rel in seen or node.end_lineno - node.lineno < 10:
             continue
-        src_lines = src.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 10:
-                out.append("".join(src_lines[node.lineno - 1:node.lineno - 1 + lines]))
-                break
+        seen.add(rel)
+        out.append("".join(src_lines[node.lineno - 1:node.lineno - 1 + lines]))
         if len(out) == n:
             break
     return out
@@ -63,7 +55,7 @@ def walk(match_len, start: int, end: int, k: int) -> float:
     """match_len(p) = how many of the k proposals made after position p match; returns tokens per target step."""
     p, steps = start, 0
     while p < end:
-        p += min(match_len(p), k, end - p - 1 if end - p - 1 >= 0 else 0) + 1
+        p += min(match_len(p), k, max(end - p - 1, 0)) + 1
         steps += 1
     return (end - start) / max(steps, 1)
 

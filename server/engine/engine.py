@@ -15,8 +15,12 @@ from sampling.params import SamplingParams
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import ContextLengthError
 from server.engine.model_runner import ModelRunner, StepResult
+from server.engine.output_builder import (
+    build_output,
+    prompt_logprobs_rows,
+    request_timings,
+)
 from server.engine.outputs import RequestOutput
-from server.engine.output_builder import build_output, prompt_logprobs_rows, request_timings
 from server.engine.request import Request
 from server.engine.scheduler import ScheduledSeq, Scheduler
 from server.engine.spec_dispatch import SpecDispatcher

@@ -26,7 +26,7 @@ class OfflineEngine:
         self._n = 0
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> "OfflineEngine":
+    def from_config(cls, cfg: EngineConfig) -> OfflineEngine:
         from server.engine.builder import build_engine
         return cls(build_engine(cfg)[0])
 

@@ -6,7 +6,7 @@ a step where it proposes none is a plain decode step for that request.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -14,7 +14,7 @@ from sampling.outputs import SeqSamplingOutput
 from server.engine.request import Request
 from server.engine.scheduler import ScheduledSeq
 from server.engine.stats import SpecStepStats, StepStats
-from speculators.base import VerifiedStep
+from speculators.base import VerifiedStep, count_accepted_positions
 
 
 class SpecDispatcher:
@@ -91,10 +91,7 @@ class SpecDispatcher:
         st.num_drafts += 1
         st.num_draft_tokens += num_draft
         st.num_accepted_tokens += num_accepted
-        if len(st.accepted_per_pos) < num_draft:
-            st.accepted_per_pos.extend([0] * (num_draft - len(st.accepted_per_pos)))
-        for p in range(num_accepted):
-            st.accepted_per_pos[p] += 1
+        count_accepted_positions(st.accepted_per_pos, num_draft, num_accepted)
         st.tokens_per_step.append(num_accepted + 1)
 
     def release(self, request: Request) -> None:
