@@ -33,7 +33,7 @@ from server.models.config import ModelConfig, load_config
 from server.models.llama import LlamaForCausalLM
 from speculators.base import DraftProposal
 from speculators.draft_kv import DraftKVCache, DraftSeq, mirror_target_blocks
-from speculators.draft_sampling import draft_generator, sample_drafts
+from speculators.draft_sampling import append_drafts, draft_generator
 from speculators.vocab import check_same_vocabulary
 
 
@@ -171,12 +171,7 @@ class DraftModelSpeculator:
 
     @staticmethod
     def _sample(items: list[_Live], logits: torch.Tensor) -> None:
-        tokens, probs = sample_drafts(logits, [it.request.sampling_params for it in items],
-                                      [it.state.generator for it in items])
-        for item, tok, prob in zip(items, tokens, probs):
-            item.tokens.append(tok)
-            if prob is not None:
-                item.probs.append(prob)
+        append_drafts(items, logits, [it.state.generator for it in items])
 
 
 def _to_target_vocab(logits: torch.Tensor,  # [n, draft vocab] float32

@@ -51,6 +51,19 @@ def sample_drafts(logits: torch.Tensor,                        # [n, vocab] floa
     return tokens.tolist(), probs_out
 
 
+def append_drafts(items: Sequence, logits: torch.Tensor,  # [n, vocab] float32, row i for items[i]
+                  generators: Sequence[torch.Generator | None]) -> None:
+    """Sample one draft per item and append it (and its probs, when sampled) to item.tokens / item.probs.
+
+    items: per-request drafting state with `.request`, `.tokens` and `.probs` lists (draft model, heads).
+    """
+    tokens, probs = sample_drafts(logits, [it.request.sampling_params for it in items], generators)
+    for item, tok, prob in zip(items, tokens, probs):
+        item.tokens.append(tok)
+        if prob is not None:
+            item.probs.append(prob)
+
+
 def _probs(logits: torch.Tensor,   # [m, vocab] float32
            params: list[SamplingParams]) -> torch.Tensor:
     """[m, vocab]: softmax of the temperature-scaled, truncated logits."""

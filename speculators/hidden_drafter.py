@@ -41,7 +41,7 @@ import torch
 from server.models.attention import AttentionMetadata
 from speculators.base import DraftProposal, VerifiedStep
 from speculators.draft_kv import DraftKVCache, DraftSeq, KVCache
-from speculators.draft_sampling import draft_generator, sample_drafts
+from speculators.draft_sampling import append_drafts, draft_generator
 
 
 class DraftHead(Protocol):
@@ -221,12 +221,7 @@ class HiddenStateDrafter:
 
     @staticmethod
     def _sample(items: list[_Live], logits: torch.Tensor) -> None:
-        tokens, probs = sample_drafts(logits, [it.request.sampling_params for it in items],
-                                      [it.seq.generator for it in items])
-        for item, tok, prob in zip(items, tokens, probs):
-            item.tokens.append(tok)
-            if prob is not None:
-                item.probs.append(prob)
+        append_drafts(items, logits, [it.seq.generator for it in items])
 
     def release(self, request) -> None:
         seq = self._seqs.pop(request.request_id, None)
