@@ -222,3 +222,14 @@ class StepProbe:
 
 def live_requests(engine: Any) -> list:
     return [live.request for live in list(engine.engine.live.values())]
+
+
+def stream_events(url: str, body: dict, out: list, first: threading.Event) -> None:
+    """Stream a completion from url; append the HTTP status then every SSE data payload; set `first`
+    at the first event. Run in a thread so a test can act (SIGTERM, failure) mid-stream."""
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        out.append(s.status_code)
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:])
+                first.set()

@@ -18,6 +18,7 @@ from reliability_support import (
     assert_error,
     build_engine,
     live_requests,
+    stream_events,
     wait_until,
 )
 
@@ -45,19 +46,10 @@ def engine(tiny_model_dir, sigterm_server):
     asyncio.run(engine.shutdown())
 
 
-def _stream(url: str, body: dict, out: list, first: threading.Event) -> None:
-    with httpx.stream("POST", url + C, json={**body, "stream": True}, timeout=60) as s:
-        out.append(s.status_code)
-        for line in s.iter_lines():
-            if line.startswith("data: "):
-                out.append(line[6:])
-                first.set()
-
-
 def _start_stream(url: str, body: dict) -> tuple[threading.Thread, list]:
     out: list = []
     first = threading.Event()
-    thread = threading.Thread(target=_stream, args=(url, body, out, first), daemon=True)
+    thread = threading.Thread(target=stream_events, args=(url, body, out, first), daemon=True)
     thread.start()
     assert first.wait(30), out
     return thread, out

@@ -18,6 +18,7 @@ from reliability_support import (
     assert_still_serving,
     build_engine,
     live_requests,
+    stream_events,
     wait_until,
 )
 
@@ -34,19 +35,10 @@ def server(tiny_model_dir):
     asyncio.run(engine.shutdown())
 
 
-def _stream_events(url: str, body: dict, out: list, first: threading.Event) -> None:
-    with httpx.stream("POST", url + C, json={**body, "stream": True}, timeout=60) as s:
-        out.append(s.status_code)
-        for line in s.iter_lines():
-            if line.startswith("data: "):
-                out.append(line[6:])
-                first.set()
-
-
 def test_step_failure_fails_in_flight_and_new_requests(server, monkeypatch):
     streamed: list = []
     first = threading.Event()
-    stream = threading.Thread(target=_stream_events, args=(server.url, LONG, streamed, first))
+    stream = threading.Thread(target=stream_events, args=(server.url, LONG, streamed, first))
     plain: list[httpx.Response] = []
     blocking = threading.Thread(target=lambda: plain.append(httpx.post(server.url + C, json=LONG, timeout=60)))
     stream.start()

@@ -21,7 +21,6 @@ from server.api.params import (
     check_token_ids,
     resolve_max_tokens,
     sampling_params,
-    speculation,
 )
 from server.api.protocol import ChatCompletionRequest
 from server.api.responses import (
@@ -43,9 +42,7 @@ class ChatServing(Serving):
         deadline = self.deadline(req)
         engine = self.engine_for(req.model)
         prompt = await self._render(engine, req)
-        spec, notice = speculation(engine, req)
-        if notice is not None:
-            self.state.metrics.on_spec_refused("prediction_ignored")
+        spec, notice = self.choose_speculation(engine, req)
         prediction = await self.prediction_ids(engine, req, spec)
         max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt), engine.max_model_len,
                                         None, "messages")

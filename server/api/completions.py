@@ -23,7 +23,6 @@ from server.api.params import (
     check_token_ids,
     resolve_max_tokens,
     sampling_params,
-    speculation,
 )
 from server.api.protocol import CompletionRequest
 from server.api.responses import CompletionChoice, CompletionChunk, CompletionResponse
@@ -43,9 +42,7 @@ class CompletionServing(Serving):
         deadline = self.deadline(req)
         engine = self.engine_for(req.model)
         prompts = await self._prompts(engine, req)
-        spec, notice = speculation(engine, req)
-        if notice is not None:
-            self.state.metrics.on_spec_refused("prediction_ignored")
+        spec, notice = self.choose_speculation(engine, req)
         prediction = await self.prediction_ids(engine, req, spec)
         max_tokens = [resolve_max_tokens(req.max_tokens, len(p.token_ids), engine.max_model_len,
                                          COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt") for p in prompts]

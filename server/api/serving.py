@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from sampling.params import SamplingParams
 from server.api.errors import bad_request
 from server.api.generation import ChoiceState, SubRequest, collect, fan_in
+from server.api.params import speculation
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.responses import (
     CompletionTokensDetails,
@@ -83,6 +84,13 @@ class Serving:
 
     async def collect(self, engine: Any, subs: list[SubRequest], deadline: float | None) -> list[ChoiceState]:
         return await collect(self.outputs(engine, subs, deadline), len(subs))
+
+    def choose_speculation(self, engine: Any, req: AnyRequest) -> tuple[SpecParams, str | None]:
+        """The request's speculation and its notice; a refusal is counted, never silent."""
+        spec, notice = speculation(engine, req)
+        if notice is not None:
+            self.state.metrics.on_spec_refused("prediction_ignored")
+        return spec, notice
 
     async def prediction_ids(self, engine: Any, req: AnyRequest, spec: SpecParams) -> list[int] | None:
         """Predicted Outputs' text as token ids (the prediction speculator's draft source)."""
