@@ -304,6 +304,10 @@ def live(prometheus_installed: None, tiny_model_dir: Path,
                       float(sum(expected.draft_tokens.values())))
         prom.wait_for(f"sum(specserve:spec_decode_num_accepted_tokens_total{sel})",
                       float(sum(expected.accepted.values())))
+        # Series born during the traffic (HTTP counters, refusals) need two samples before rate() has
+        # a value: wait until the youngest of them has been scraped twice (a race under CI load).
+        for name in ("http_requests_total", "spec_decode_refused_total"):
+            prom.wait_for(f"min(count_over_time(specserve:{name}{sel}[10m])) >= bool 2", 1.0)
         yield Live(prom, url, expected)
     finally:
         prom.stop()
