@@ -308,6 +308,11 @@ def live(prometheus_installed: None, tiny_model_dir: Path,
         # a value: wait until the youngest of them has been scraped twice (a race under CI load).
         for name in ("http_requests_total", "spec_decode_refused_total"):
             prom.wait_for(f"min(count_over_time(specserve:{name}{sel}[10m])) >= bool 2", 1.0)
+        # If every HTTP increment landed before the series' first scrape, rate() is 0 and the error-rate
+        # ratios are 0/0: one more request after that scrape gives the window a real increase.
+        before = prom.scalar(f"sum(specserve:http_requests_total{sel})") or 0.0
+        httpx.get(f"{url}/v1/models", timeout=30)
+        prom.wait_for(f"sum(specserve:http_requests_total{sel}) > bool {before}", 1.0)
         yield Live(prom, url, expected)
     finally:
         prom.stop()
