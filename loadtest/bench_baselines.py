@@ -24,7 +24,7 @@ import torch
 
 from loadtest.prompt_sets import load_prompt_set
 from loadtest.serve import amain as serve_amain
-from loadtest.server_proc import started_server
+from loadtest.server_proc import offered_methods, started_server
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -35,19 +35,17 @@ def hf_rows(models: Path, sets: list[str], n: int, max_tokens: int, k: int) -> l
     from transformers import AutoTokenizer, LlamaForCausalLM
     tok = AutoTokenizer.from_pretrained(str(models / "target"))
     target = LlamaForCausalLM.from_pretrained(str(models / "target"), torch_dtype=torch.float32).eval()
-    draft = None
+    modes = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": k}}
     if (models / "draft" / "config.json").is_file():
         draft = LlamaForCausalLM.from_pretrained(str(models / "draft"), torch_dtype=torch.float32).eval()
-    modes = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": k}}
-    if draft is not None:
+        # HF's assisted decoding adapts k by default; fix it at ours
+        draft.generation_config.num_assistant_tokens = k
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
         modes["assisted"] = {"assistant_model": draft}
     rows = []
     for pset in sets:
         prompts = [r["prompt"] for r in load_prompt_set(pset, n, 0)]
         for mode, kw in modes.items():
-            if mode == "assisted":   # HF's assisted decoding adapts k; start it where ours is fixed
-                draft.generation_config.num_assistant_tokens = k
-                draft.generation_config.num_assistant_tokens_schedule = "constant"
             tokens, seconds = 0, 0.0
             for p in prompts:
                 ids = tok(p, return_tensors="pt").input_ids
@@ -120,11 +118,7 @@ def main(argv=None) -> None:
         if (args.models / name / "config.json").is_file():
             server_args += [flag, str(args.models / name)]
     with started_server(None, server_args) as url:
-        import httpx
-        offered = httpx.get(f"{url}/v1/speculators").json()
-        names = [m if isinstance(m, str) else m.get("method") for m in
-                 (offered.get("methods") or offered.get("data") or [])] if isinstance(offered, dict) else offered
-        methods = args.methods.split(",") if args.methods else [m for m in names if m not in ("none", "prediction")]
+        methods = args.methods.split(",") if args.methods else [m for m in offered_methods(url) if m != "prediction"]
         rows += our_rows(url, args.prompt_sets, args.prompts, args.max_tokens, args.k, methods)
     table = ratios(rows)
     print_table(table)

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import httpx
 
 from loadtest.serve import amain as serve_amain
-from loadtest.server_proc import started_server
 from loadtest.serve_metrics import parse_spec_counters
+from loadtest.server_proc import offered_methods, started_server
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -131,10 +131,7 @@ def main() -> None:
     out = RESULTS / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     with started_server(args.url, args.server_args.split()) as url:
-        loaded = httpx.get(f"{url}/v1/speculators").json()
-        names = [m for m in (loaded.get("methods") or loaded.get("data") or loaded) if m != "none"] \
-            if not args.methods else args.methods.split(",")
-        methods = [m if isinstance(m, str) else m.get("method") for m in names]
+        methods = args.methods.split(",") if args.methods else offered_methods(url)
         results = []
         points = list(grid(args, methods))
         for i, (m, k, c, t, s) in enumerate(points):

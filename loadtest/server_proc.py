@@ -55,3 +55,9 @@ def started_process(cmd: list[str], port: int, env: dict | None = None, timeout:
             proc.wait(timeout=30)
         if proc.poll() is None:
             proc.kill()
+
+
+def offered_methods(url: str) -> list[str]:
+    """The speculation methods a running server offers (GET /v1/speculators), without "none"."""
+    data = httpx.get(f"{url}/v1/speculators", timeout=30).json()["data"]
+    return [d["method"] for d in data if d["method"] != "none"]
