@@ -53,6 +53,26 @@ def test_tiny_target_trains_and_resumes(tmp_path, monkeypatch, streams):
         assert torch.equal(a, b), k
 
 
+def test_a_second_stage_starts_from_the_first_and_reports_cumulative_tokens(tmp_path, monkeypatch, streams):
+    """--init-from: a new stage (own run dir, fresh optimizer and schedule) starts from stage 1's weights,
+    either its run checkpoint or its export, and the export's training info adds the stages up."""
+    monkeypatch.setattr(common, "RUNS_DIR", tmp_path)
+    stage1, s1 = train_lm(_cfg(tmp_path, name="s1", out_dir=tmp_path / "export1"), *streams)
+    w = torch.from_numpy(streams[0][:4 * 33].astype("int64")).view(4, 33)
+    for source in (tmp_path / "s1" / "ckpt.pt", tmp_path / "export1"):
+        name = "s2-" + source.name
+        probe = _cfg(tmp_path, name=name, init_from=source, tokens=4 * 32, lr=1e-9, warmup_steps=1)
+        stage2, _ = train_lm(probe, *streams)       # one step at lr ~0: the weights are stage 1's
+        with torch.no_grad():
+            a, b = stage1.losses(w)[0], stage2.losses(w)[0]
+        assert float(b) == pytest.approx(float(a), abs=0.05 if source.is_dir() else 1e-4)   # export is bf16
+    final, s2 = train_lm(_cfg(tmp_path, name="s2", init_from=tmp_path / "export1", out_dir=tmp_path / "export2"),
+                         *streams)
+    info = json.loads((tmp_path / "export2" / "config.json").read_text())["specserve_training"]
+    assert info["tokens"] == s1["tokens"] + s2["tokens"]
+    assert [st["tokens"] for st in info["stages"]] == [s1["tokens"], s2["tokens"]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_export_loads_in_hf_and_ignores_mtp(tmp_path, dtype):
     from transformers import LlamaForCausalLM

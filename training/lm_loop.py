@@ -48,6 +48,7 @@ class LMTrainConfig:
     fresh: bool = False
     device: str = "cpu"                # "cuda" when a GPU is lent: bf16 autocast there, fp32 on CPU
     compile: bool = False              # torch.compile the training loss (+14 % tokens/s for the target on 2 cores)
+    init_from: Path | None = None      # start a new stage from these weights (run ckpt.pt or exported dir)
 
 
 @torch.no_grad()
@@ -102,6 +103,10 @@ def train_lm(cfg: LMTrainConfig, train_stream=None, heldout_stream=None) -> tupl
     ev = common.eval_windows(heldout_stream, cfg.eval_seq_len, cfg.eval_windows)
     loaded = common.load_checkpoint(ckpt, model, opt)
     st = loaded[0] if loaded else common.RunState()
+    prior = _prior_training(cfg.init_from, len(train_stream)) if cfg.init_from else {"tokens": 0, "epochs": 0.0}
+    if cfg.init_from and not loaded:     # a new stage: earlier weights, fresh optimizer and lr schedule
+        _init_weights(model, cfg.init_from)
+        print(f"[{cfg.name}] initialised from {cfg.init_from} ({prior['tokens'] / 1e6:.2f}M tokens before)", flush=True)
     n_params = count_params(model)
     print(f"[{cfg.name}] params {n_params / 1e6:.2f}M (main {count_params(model.model) / 1e6 + model.lm_head.weight.numel() / 1e6:.2f}M)"
           f" fwd {flops_per_token(cfg.spec) / 1e6:.1f} MFLOP/token; train stream {len(train_stream)} tokens"
@@ -164,15 +169,42 @@ def train_lm(cfg: LMTrainConfig, train_stream=None, heldout_stream=None) -> tupl
     if cfg.out_dir is not None:
         info = {k: summary[k] for k in ("tokens", "epochs", "heldout_loss") if k in summary}
         info.update({"lr": cfg.lr, "batch": [cfg.batch_size, cfg.seq_len], "seed": cfg.seed})
+        if cfg.init_from:                # cumulative over stages, with each stage listed
+            stages = prior.get("stages") or [{"tokens": prior["tokens"], "epochs": prior["epochs"]}]
+            info["stages"] = stages + [{"tokens": summary["tokens"], "epochs": summary["epochs"], "lr": cfg.lr}]
+            info["tokens"] = prior["tokens"] + summary["tokens"]
+            info["epochs"] = prior["epochs"] + summary["epochs"]
         export_llama(model.cpu(), cfg.out_dir, mtp_loss_weight=cfg.mtp_weight if cfg.spec.num_nextn_predict_layers else None,
                      training_info=info)
         print(f"[{cfg.name}] exported {cfg.out_dir}", flush=True)
     return model, summary
 
 
+def _init_weights(model: LlamaLM, source: Path) -> None:
+    """Weights from a run checkpoint (runs/<name>/ckpt.pt: fp32) or an exported model directory."""
+    from training.export import load_llama
+    source = Path(source)
+    if source.is_file():
+        model.load_state_dict(torch.load(source, map_location="cpu", weights_only=False)["model"])
+    else:
+        model.load_state_dict(load_llama(source).state_dict())
+
+
+def _prior_training(source: Path, stream_len: int) -> dict:
+    """Tokens and epochs the source weights were trained on (for cumulative figures in the export)."""
+    import json
+    source = Path(source)
+    if source.is_file():
+        tokens = torch.load(source, map_location="cpu", weights_only=False)["state"]["tokens"]
+        return {"tokens": tokens, "epochs": tokens / max(stream_len, 1)}
+    info = json.loads((source / "config.json").read_text()).get("specserve_training", {})
+    return {"tokens": info.get("tokens", 0), "epochs": info.get("epochs", 0.0), "stages": info.get("stages")}
+
+
 def _cfg_dict(cfg: LMTrainConfig) -> dict:
     d = asdict(cfg)
     d["out_dir"] = str(cfg.out_dir) if cfg.out_dir else None
+    d["init_from"] = str(cfg.init_from) if cfg.init_from else None
     return d
 
 
@@ -193,6 +225,9 @@ def add_common_args(ap: argparse.ArgumentParser, defaults: LMTrainConfig) -> Non
     ap.add_argument("--final-eval-windows", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16 autocast)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the training step (first step ~2 min)")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start a new training stage (own --name, fresh optimizer and schedule) from a run's "
+                         "ckpt.pt or an exported model directory; the export reports cumulative tokens")
 
 
 def config_from_args(args, spec: LlamaSpec) -> LMTrainConfig:
@@ -204,4 +239,4 @@ def config_from_args(args, spec: LlamaSpec) -> LMTrainConfig:
         stop_after_minutes=args.stop_after_minutes, threads=args.threads, seed=args.seed,
         eval_every_s=args.eval_every_s, eval_windows=args.eval_windows, ckpt_every_s=args.ckpt_every_s,
         final_eval_windows=args.final_eval_windows, fresh=args.fresh, log_every=args.log_every,
-        mtp_row_stride=args.mtp_row_stride, device=args.device, compile=args.compile)
+        mtp_row_stride=args.mtp_row_stride, device=args.device, compile=args.compile, init_from=args.init_from)

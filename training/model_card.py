@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 from safetensors import safe_open
@@ -20,8 +21,56 @@ def _params(path: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
+_WORD = re.compile(r"\w+|[^\w\s]")
+
+
+def repeated_trigram_share(text: str) -> float:
+    """Share of word/punctuation 3-grams that already occurred earlier in the same text: a loop measure
+    (0 = no 3-gram repeats; a text stuck in "to_to_to" or "value, value, value" scores near 1)."""
+    words = _WORD.findall(text)
+    grams = [tuple(words[i:i + 3]) for i in range(len(words) - 2)]
+    seen, repeats = set(), 0
+    for g in grams:
+        repeats += g in seen
+        seen.add(g)
+    return repeats / len(grams) if grams else 0.0
+
+
+def _reference_repetition(texts: list[str], chars: int) -> float:
+    """The same measure on real held-out code: the first `chars` characters of each held-out file."""
+    shares = [repeated_trigram_share(t[:chars]) for t in texts if len(t) >= chars]
+    return sum(shares) / len(shares) if shares else 0.0
+
+
+def status_lines(results: dict, corpus) -> list[str]:
+    """The issue's quality bars, each with the measured value and met / not met (nothing hand-written)."""
+    held, acc = results.get("heldout_loss", {}), results.get("acceptance_mean", {})
+    rows = []
+    t, d = held.get("target", {}).get("heldout_loss"), held.get("draft", {}).get("heldout_loss")
+    if t is not None and d is not None:
+        rows.append(("target held-out loss below the draft's by >= 0.3 nats", f"{d - t:+.3f}", d - t >= 0.3))
+    for key, label, bar in (("mtp_first_pos_accept", "MTP first-position acceptance >= 0.6", 0.6),
+                            ("draft", "draft mean acceptance length (k = 4) >= 2.3", 2.3),
+                            ("eagle3", "EAGLE-3 mean acceptance length (k = 4) >= 2.8", 2.8)):
+        if key in acc:
+            rows.append((label, f"{acc[key]:.2f}", acc[key] >= bar))
+    samples = results.get("samples", [])
+    if samples:
+        chars = int(sum(len(s["completion"]) for s in samples) / len(samples))
+        ours = sum(repeated_trigram_share(s["completion"]) for s in samples) / len(samples)
+        ref = _reference_repetition(corpus.heldout_texts(), chars)
+        rows.append((f"greedy samples do not loop: repeated 3-gram share <= 1.5x real held-out code's "
+                     f"({ref:.2f}, first {chars} chars of each file)", f"{ours:.2f}", ours <= 1.5 * ref))
+    if not rows:
+        return []
+    return (["## Status against issue 3's bars (generated from runs/eval/results.json)", "",
+             "| bar | measured | met |", "|---|---|---|"]
+            + [f"| {label} | {value} | {'yes' if ok else '**no**'} |" for label, value, ok in rows] + [""])
+
+
 def render(models: Path, results: dict) -> str:
-    m = manifest(load_corpus())
+    corpus = load_corpus()
+    m = manifest(corpus)
     lines = ["# specserve embedded model family", "",
              "Trained here by `make train-embedded` (`python -m training.all`); recipe and evidence in "
              "`training/README.md`. Corpus: the Python standard library's own source "
@@ -43,10 +92,16 @@ def render(models: Path, results: dict) -> str:
             extra = f" (MTP, token t+2: {held['target']['heldout_mtp_loss']:.3f})"
         layout = {"target": "LlamaForCausalLM + 1 DeepSeek-style MTP layer", "draft": "LlamaForCausalLM",
                   "eagle3": "EAGLE-3 head (LlamaForCausalLMEagle3)"}[name]
+        if name == "eagle3" and info.get("heldout_top1_per_step"):
+            extra = ("held-out top-1 agreement with the target, draft steps 1-"
+                     f"{len(info['heldout_top1_per_step'])}: "
+                     + " / ".join(f"{a:.2f}" for a in info["heldout_top1_per_step"]))
+        epochs = f"{info['epochs']:.2f}" if "epochs" in info else "—"
         lines.append(f"| {name} | {layout} | {_params(p) / 1e6:.2f}M | {info.get('tokens', 0) / 1e6:.2f}M | "
-                     f"{info.get('epochs', 0):.2f} | {'' if loss is None else f'{loss:.3f}'}{extra} |")
+                     f"{epochs} | {'' if loss is None else f'{loss:.3f}'}{extra} |")
     acc = results.get("acceptance_mean", {})
-    lines += ["", "## Greedy speculative acceptance (held-out function prompts, 128 new tokens)", "",
+    lines += [""] + status_lines(results, corpus)
+    lines += ["## Greedy speculative acceptance (held-out function prompts, 128 new tokens)", "",
               "| method | k | mean acceptance length (1 + accepted/drafts) |", "|---|---|---|"]
     for key, k in (("draft", 4), ("eagle3", 4), ("mtp_k1", 1)):
         if key in acc:

@@ -129,9 +129,17 @@ def train(args) -> dict:
     if not args.no_export:
         export_eagle3(head.cpu(), target.spec, args.out, layers, training_info={
             "tokens": st.tokens, "ttt_steps": args.ttt_steps, "lr": args.lr, "seed": args.seed,
-            "heldout_top1_per_step": summary["heldout_top1"], "target": str(args.target)})
+            "heldout_top1_per_step": summary["heldout_top1"], "target": _repo_relative(args.target)})
         print(f"[{args.name}] exported {args.out}", flush=True)
     return summary
+
+
+def _repo_relative(path: Path) -> str:
+    """models/target rather than this machine's absolute path (the config ships in the repo)."""
+    try:
+        return str(Path(path).resolve().relative_to(common.REPO))
+    except ValueError:
+        return str(path)
 
 
 def main(argv=None):
