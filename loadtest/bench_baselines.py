@@ -9,6 +9,9 @@ Our rows: a server this script starts (same dtype and thread count), driven by l
 client at concurrency 1, one row per speculation method the server offers. HF runs first, in this
 process, with the server not yet started, so the two never share the CPU. Printed: output tokens/s and the
 ratios ours ÷ HF — plain vs none, draft vs assisted, ngram vs prompt lookup, and our best vs each.
+One more row, "ours offline": our engine in this process without HTTP (OfflineEngine, plain decoding, same
+prompts), so the cost of the serving path (engine thread hand-off, detokenizing, SSE, the client) shows as
+the ratio HTTP none ÷ offline none.
 """
 from __future__ import annotations
 
@@ -61,6 +64,30 @@ def hf_rows(models: Path, sets: list[str], n: int, max_tokens: int, k: int) -> l
     return rows
 
 
+def offline_rows(models: Path, sets: list[str], n: int, max_tokens: int, threads: int) -> list[dict]:
+    """Our engine without the server: plain greedy decoding, one prompt at a time, as HF runs."""
+    from sampling.params import SamplingParams
+    from server.config import EngineConfig
+    from server.engine.offline import OfflineEngine
+    from speculators.base import SpecParams
+    eng = OfflineEngine.from_config(EngineConfig(model=str(models / "target"), dtype="float32", num_threads=threads,
+                                                 kv_cache_memory_gb=0.25))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    for pset in sets:
+        tokens, seconds = 0, 0.0
+        for r in load_prompt_set(pset, n, 0):
+            ids = eng.engine.tokenizer.encode(r["prompt"])
+            t0 = time.perf_counter()
+            out = eng.generate([ids], params, SpecParams())[0]
+            seconds += time.perf_counter() - t0
+            tokens += len(out.token_ids)
+        rows.append({"who": "ours-offline", "method": "none", "prompt_set": pset, "output_tokens": tokens,
+                     "seconds": seconds, "tok_per_s": tokens / seconds})
+        print(f"ours offline none    {pset:18s} {tokens / seconds:7.1f} tok/s", flush=True)
+    return rows
+
+
 def our_rows(url: str, sets: list[str], n: int, max_tokens: int, k: int, methods: list[str]) -> list[dict]:
     rows = []
     for pset in sets:
@@ -91,6 +118,17 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def serving_cost(rows: list[dict]) -> list[str]:
+    """Per prompt set: our plain decoding through HTTP ÷ the same engine offline."""
+    lines = []
+    for pset in sorted({r["prompt_set"] for r in rows}):
+        get = {(r["who"], r["method"]): r["tok_per_s"] for r in rows if r["prompt_set"] == pset}
+        if ("ours", "none") in get and ("ours-offline", "none") in get:
+            lines.append(f"{pset}: HTTP none {get[('ours', 'none')]:.1f} tok/s ÷ offline none "
+                         f"{get[('ours-offline', 'none')]:.1f} = {get[('ours', 'none')] / get[('ours-offline', 'none')]:.2f}")
+    return lines
+
+
 def print_table(table: list[dict]) -> None:
     print(f"\n{'prompt set':18s} {'HF mode':14s} {'HF tok/s':>9s} {'ours (same)':>14s} {'ratio':>6s}"
           f" {'ours (best)':>14s} {'ratio':>6s}")
@@ -113,6 +151,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"{args.models}/target is missing: train the embedded family first (make train-embedded)")
     torch.set_num_threads(args.threads)
     rows = hf_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.k)
+    rows += offline_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.threads)
     server_args = ["--model", str(args.models / "target"), "--dtype", "float32", "--num-threads", str(args.threads)]
     for flag, name in (("--draft-model", "draft"), ("--eagle3", "eagle3")):
         if (args.models / name / "config.json").is_file():
@@ -122,6 +161,7 @@ def main(argv=None) -> None:
         rows += our_rows(url, args.prompt_sets, args.prompts, args.max_tokens, args.k, methods)
     table = ratios(rows)
     print_table(table)
+    print("\nserving path cost at batch 1: " + "; ".join(serving_cost(rows)))
     out = RESULTS / time.strftime("baselines-%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     meta = {"command": "python -m loadtest.bench_baselines " + " ".join(argv or []), "machine": platform.platform(),

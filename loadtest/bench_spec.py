@@ -54,11 +54,16 @@ def per_pos_delta(before: str, after: str, method: str) -> list[float]:
 
 
 def grid(args, methods: list[str]):
+    """Every point; `prediction` only on prompt sets that carry a prediction (code_editing)."""
+    from loadtest.prompt_sets import load_prompt_set
     for temp in args.temperatures:
         for pset in args.prompt_sets:
+            has_prediction = bool(load_prompt_set(pset, 1)[0].get("prediction"))
             for conc in args.concurrency:
                 yield "none", 0, conc, temp, pset
                 for method in methods:
+                    if method == "prediction" and not has_prediction:
+                        continue
                     for k in args.ks:
                         yield method, k, conc, temp, pset
 
@@ -110,7 +115,7 @@ def plot(results: list[dict], out: Path) -> None:
     fig.savefig(out / "per_position_acceptance.png", dpi=110)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="use a running server instead of starting one")
     ap.add_argument("--server-args", default="", help="extra flags for the server it starts")
@@ -124,7 +129,7 @@ def main() -> None:
     ap.add_argument("--prompts-per-slot", type=int, default=2)
     ap.add_argument("--min-prompts", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="k=4, concurrency 1,4, T=0, two prompt sets")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.ks, args.concurrency, args.temperatures = [4], [1, 4], [0.0]
         args.prompt_sets, args.max_tokens = ["code_completion", "code_editing"], 64
@@ -132,16 +137,40 @@ def main() -> None:
     out.mkdir(parents=True)
     with started_server(args.url, args.server_args.split()) as url:
         methods = args.methods.split(",") if args.methods else offered_methods(url)
+        meta = {"command": " ".join(sys.argv), "machine": platform.platform(),
+                "python": platform.python_version(), "processor": platform.processor(), "server": url}
         results = []
         points = list(grid(args, methods))
         for i, (m, k, c, t, s) in enumerate(points):
             print(f"[{i + 1}/{len(points)}] {m} k={k} c={c} T={t} {s}", file=sys.stderr, flush=True)
             results.append(run_point(url, m, k, c, t, s, args))
-    meta = {"command": " ".join(sys.argv), "machine": platform.platform(), "python": platform.python_version(),
-            "processor": platform.processor()}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+            # written after every point: a cut sweep keeps what it measured
+            (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     plot(results, out)
+    table = summary_table(results)
+    (out / "table.md").write_text(table)
+    print(table)
     print(f"wrote {out}")
+
+
+def summary_table(results: list[dict]) -> str:
+    """Markdown: one row per (prompt set, T, method, k), one speedup column per concurrency."""
+    concs = sorted({r["concurrency"] for r in results})
+    base = {(r["concurrency"], r["temperature"], r["prompt_set"]): r["output_throughput"]
+            for r in results if r["method"] == "none"}
+    rows: dict[tuple, dict[int, str]] = {}
+    for r in results:
+        b = base.get((r["concurrency"], r["temperature"], r["prompt_set"]))
+        key = (r["prompt_set"], r["temperature"], r["method"], r["k"])
+        tau = r.get("speculation", {}).get(r["method"], {}).get("mean_acceptance_length")
+        cell = f"{r['output_throughput']:.0f} tok/s" if r["method"] == "none" else (
+            f"{r['output_throughput'] / b:.2f}x" if b else "?") + (f" (τ {tau:.2f})" if tau else "")
+        rows.setdefault(key, {})[r["concurrency"]] = cell
+    lines = ["| prompt set | T | method | k | " + " | ".join(f"c={c}" for c in concs) + " |",
+             "|---|---|---|---|" + "---|" * len(concs)]
+    for (pset, t, m, k), cells in rows.items():
+        lines.append(f"| {pset} | {t} | {m} | {k} | " + " | ".join(cells.get(c, "") for c in concs) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -23,13 +23,15 @@ from sampling.params import SamplingParams
 from server.config import EngineConfig
 from server.engine.offline import OfflineEngine
 from server.engine.scheduler import ScheduledSeq
+from server.engine.spec_policy import GoodputPolicy
 from speculators.base import SpecParams
 
 
-def run(eng: OfflineEngine, prompts, spec: SpecParams, new: int, preds=None) -> tuple[float, list]:
-    params = SamplingParams(temperature=0.0, max_tokens=new)
+def run(eng: OfflineEngine, prompts, spec: SpecParams, new: int, preds=None,
+        temperature: float = 0.0) -> tuple[float, list]:
     total_tokens, total_time, outs = 0, 0.0, []
     for i, p in enumerate(prompts):
+        params = SamplingParams(temperature=temperature, max_tokens=new, seed=1000 + i if temperature else None)
         t = time.perf_counter()
         out = eng.generate([p], params, spec, [preds[i]] if preds else None)[0]
         total_time += time.perf_counter() - t
@@ -96,12 +98,15 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--ks", type=lambda x: [int(v) for v in x.split(",")], default=[1, 2, 4, 6],
                     help="k values for the model-based methods")
+    ap.add_argument("--temperatures", type=lambda x: [float(v) for v in x.split(",")], default=[0.0, 0.8],
+                    help="sampling temperatures for the model-based table (seeded per prompt when > 0)")
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--eagle3", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     eng = OfflineEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_gb=0.5,
-                                                 draft_model=args.draft_model, eagle3=args.eagle3))
+                                                 draft_model=args.draft_model, eagle3=args.eagle3,
+                                                 speculation_policy="fixed"))     # k means k here
     tok = eng.engine.tokenizer
     edits = load_prompt_set("code_editing", args.num_prompts)
     edit_prompts = [tok.encode(r["prompt"]) for r in edits]
@@ -136,16 +141,31 @@ def model_based(eng: OfflineEngine, prompts, args, vk: dict[int, float]) -> None
     if not methods:
         print("model-based speculators: none loaded (serve the embedded family or pass flags)")
         return
-    base, _ = run(eng, prompts, SpecParams(), args.new_tokens)    # 1 / base = one plain decode step
-    print(f"{'method':10} {'k':>3} {'tok/s':>8} {'vs none':>8} {'accept len':>10} {'c':>6} {'predicted':>9}")
-    for m in methods:
-        for k in args.ks:
-            timer = ProposeTimer(eng.engine.spec.speculators[m])
-            tps, outs = run(eng, prompts, SpecParams(m, k), args.new_tokens)
-            c = timer.restore() / (1.0 / base)
-            tau = mean_acceptance(outs)
-            v = vk.get(k) or verify_cost(eng, 256, [k])[k]
-            print(f"{m:10} {k:3d} {tps:8.1f} {tps / base:8.2f} {tau:10.2f} {c:6.3f} {tau / (k * c + v):9.2f}")
+    print("predicted = E[tokens/step] / (k*c + v(k)); c = one draft step (propose time / k) / one plain step")
+    print(f"{'T':>4} {'method':10} {'k':>3} {'tok/s':>8} {'vs none':>8} {'accept len':>10} {'c':>6} {'predicted':>9} {'meas/pred':>9}")
+    for temp in args.temperatures:
+        base, base_outs = run(eng, prompts, SpecParams(), args.new_tokens, temperature=temp)   # 1/base = a step
+        print(f"{temp:4.1f} {'none':10} {0:3d} {base:8.1f} {1.0:8.2f}")
+        for m in methods:
+            for k in args.ks:
+                timer = ProposeTimer(eng.engine.spec.speculators[m])
+                tps, outs = run(eng, prompts, SpecParams(m, k), args.new_tokens, temperature=temp)
+                c = timer.restore() / (1.0 / base)
+                same = "" if temp else ("  same as none" if [o.token_ids for o in outs] ==
+                                        [o.token_ids for o in base_outs] else "  DIFFERS FROM none")
+                tau = mean_acceptance(outs)
+                v = vk.get(k) or verify_cost(eng, 256, [k])[k]
+                pred = tau / (k * c + v)
+                print(f"{temp:4.1f} {m:10} {k:3d} {tps:8.1f} {tps / base:8.2f} {tau:10.2f} {c:6.3f} "
+                      f"{pred:9.2f} {tps / base / pred:9.2f}{same}", flush=True)
+            # the server's default: k as a ceiling, cut per step by the goodput policy (learns as it runs)
+            kmax = max(args.ks)
+            eng.engine.spec.policy = GoodputPolicy()
+            tps, outs = run(eng, prompts, SpecParams(m, kmax), args.new_tokens, temperature=temp)
+            eng.engine.spec.policy = None
+            cut = sum(o.spec_stats.num_steps_k_reduced for o in outs)
+            print(f"{temp:4.1f} {m:10} {'<=' + str(kmax):>3} {tps:8.1f} {tps / base:8.2f} "
+                  f"{mean_acceptance(outs):10.2f}  goodput policy, {cut} steps with k cut", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ cannot switch speculation per request, so it takes one server per configuration:
 `--speculative-config {"method": "ngram", ...}` and one without; ours serves both from one process.
 Both get the same dtype (fp32), thread count and prompt set, `ignore_eos` so every request writes exactly
 max_tokens, and loadtest.serve's streaming client. Printed: output tokens/s and ours ÷ vLLM per concurrency.
+vLLM gets a plain copy of the target (`plain_copy`: the MTP layer's weights and config keys dropped) so
+that its Llama loader never meets weights it does not know; ours serves the same file unchanged.
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ import asyncio
 import json
 import os
 import platform
+import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,8 +40,31 @@ def drive(url: str, method: str, args) -> list[dict]:
     return asyncio.run(serve_amain(ns))
 
 
-def vllm_cmd(args, port: int, speculate: bool) -> list[str]:
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
+def plain_copy(model: Path, out: Path) -> Path:
+    """The main model alone: weights of layers >= num_hidden_layers (the MTP layer) and the MTP config keys
+    dropped, tokenizer files copied. The weights of the main model are the same tensors, bit for bit."""
+    from safetensors.torch import load_file, save_file
+    cfg = json.loads((model / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.suffix == ".json" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, out / f.name)
+    weights = {}
+    for f in sorted(model.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            m = re.match(r"model\.layers\.(\d+)\.", name)
+            if m is None or int(m.group(1)) < n:
+                weights[name] = t
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    for key in ("num_nextn_predict_layers", "mtp"):
+        cfg.pop(key, None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def vllm_cmd(args, port: int, speculate: bool, model: Path) -> list[str]:
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048",
            "--served-model-name", "target"]
     if speculate:
@@ -58,11 +86,13 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rows = []
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="all", OMP_NUM_THREADS=str(args.threads))
-    for speculate in (True, False):
-        port = free_port()
-        with started_process(vllm_cmd(args, port, speculate), port, env=env, timeout=600) as url:
-            for r in drive(url, "off", args):
-                rows.append({"server": "vllm", "method": "ngram" if speculate else "none", **r})
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = plain_copy(args.model, Path(tmp) / "target")
+        for speculate in (True, False):
+            port = free_port()
+            with started_process(vllm_cmd(args, port, speculate, plain), port, env=env, timeout=600) as url:
+                for r in drive(url, "off", args):
+                    rows.append({"server": "vllm", "method": "ngram" if speculate else "none", **r})
     with started_server(None, ["--model", str(args.model), "--dtype", "float32",
                                "--num-threads", str(args.threads)]) as url:
         for method in ("ngram", "none"):

@@ -12,6 +12,7 @@ from typing import Any
 from speculators.base import METHODS, SpecParams
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATION_POLICIES = ("goodput", "fixed")
 
 
 @dataclass
@@ -27,6 +28,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048     # token budget per step (prefill chunks + decode + drafts)
     max_speculative_tokens: int = 8        # upper bound on k a request may ask for
     speculation: SpecParams = field(default_factory=SpecParams)   # server default for requests without one
+    speculation_policy: str = "fixed"      # fixed = draft the k asked for; goodput = cut k where it lowers tokens/s (experimental)
     draft_model: str | None = None
     eagle3: str | None = None
     enable_prefix_caching: bool = True
@@ -50,6 +52,9 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be > max_speculative_tokens")
         if not 0 <= self.max_speculative_tokens <= 64:
             raise ValueError("max_speculative_tokens must be in [0, 64]")
+        if self.speculation_policy not in SPECULATION_POLICIES:
+            raise ValueError(f"speculation_policy must be one of {SPECULATION_POLICIES}, "
+                             f"got {self.speculation_policy!r}")
         if self.speculation.method not in METHODS:
             raise ValueError(f"speculation method must be one of {METHODS}")
         if not 0 <= self.speculation.num_speculative_tokens <= self.max_speculative_tokens:
@@ -85,7 +90,10 @@ def parse_speculation(text: str | dict[str, Any] | None) -> SpecParams:
     k = data.pop("num_speculative_tokens", 0 if method == "none" else 4)
     if not isinstance(k, int) or isinstance(k, bool):
         raise ValueError("num_speculative_tokens must be an integer")
-    return SpecParams(method=method, num_speculative_tokens=k, options=data)
+    adaptive = data.pop("adaptive", True)
+    if not isinstance(adaptive, bool):
+        raise ValueError("speculation.adaptive must be true or false")
+    return SpecParams(method=method, num_speculative_tokens=k, options=data, adaptive=adaptive)
 
 
 def config_fields(cls: type) -> list[str]:

@@ -17,6 +17,7 @@ class SpecParams:
     method: str = "none"
     num_speculative_tokens: int = 0
     options: dict[str, Any] = field(default_factory=dict)   # method options, e.g. prompt_lookup_min/max
+    adaptive: bool = True      # False: always draft k (the server's goodput policy never cuts it)
 
     @property
     def k(self) -> int:
@@ -40,6 +41,8 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)   # [k]
+    num_attempted_positions: int = 0   # positions reached: accepted + the first rejected one (acceptance estimate)
+    num_steps_k_reduced: int = 0       # steps where the goodput policy drafted fewer than k
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
@@ -47,6 +50,7 @@ class SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
+        self.num_attempted_positions += min(num_accepted + 1, num_draft)
         count_accepted_positions(self.accepted_per_pos, num_draft, num_accepted)
 
     @property

@@ -156,3 +156,18 @@ def test_ignored_prediction_is_said_in_the_response_and_counted(client, http):
     spec = r.model_extra["speculation"]
     assert spec["method"] == "ngram" and "prediction ignored" in spec["notice"]
     assert _refused(http, "prediction_ignored") == before + 1
+
+
+def test_goodput_policy_fields_and_opt_out(client, http):
+    """`num_steps_k_reduced` is always in the response; `"adaptive": false` keeps k fixed (never cut);
+    a non-boolean `adaptive` is a 400 naming the field."""
+    import openai
+    r = client.completions.create(model=SERVED_NAME, prompt="a b c a b c a b c a b", max_tokens=8, temperature=0,
+                                  extra_body={"speculation": {"method": "ngram", "num_speculative_tokens": 3,
+                                                              "adaptive": False}})
+    spec = r.model_extra["speculation"]
+    assert spec["num_steps_k_reduced"] == 0 and spec["method"] == "ngram"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=2,
+                                  extra_body={"speculation": {"method": "ngram", "adaptive": "maybe"}})
+    assert "adaptive" in err.value.body["message"] and err.value.body["param"] == "speculation"

@@ -78,3 +78,23 @@ def test_mtp_drafts_are_accepted_and_lossless(offline, prompts):
     accepted = sum(o.spec_stats.num_accepted_tokens for o in mtp)
     assert drafts > 0 and accepted / drafts > 0.3, (accepted, drafts)
     assert sum(o.num_steps for o in mtp) < sum(o.num_steps for o in plain)
+
+
+def test_plain_copy_for_other_servers_drops_only_the_mtp_layer(tmp_path):
+    """loadtest.bench_vllm hands vLLM this copy: the main model's tensors bit for bit, no MTP weights or
+    config keys, tokenizer alongside; plain transformers loads it with no missing or unexpected keys."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from loadtest.bench_vllm import plain_copy
+    out = plain_copy(EMBEDDED_TARGET, tmp_path / "plain")
+    src, dst = load_file(EMBEDDED_TARGET / "model.safetensors"), load_file(out / "model.safetensors")
+    n = json.loads((EMBEDDED_TARGET / "config.json").read_text())["num_hidden_layers"]
+    mtp = {k for k in src if k.startswith(f"model.layers.{n}.")}
+    assert mtp and set(dst) == set(src) - mtp
+    assert all(torch.equal(dst[k], src[k]) for k in dst)
+    cfg = json.loads((out / "config.json").read_text())
+    assert "num_nextn_predict_layers" not in cfg and "mtp" not in cfg
+    assert (out / "tokenizer.json").exists()
+    _, info = LlamaForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]

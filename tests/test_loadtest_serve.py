@@ -66,3 +66,41 @@ def test_baselines_hf_and_ours_side_by_side(tiny_model_dir, server_url, tmp_path
     ours_tps = {r["method"]: r["tok_per_s"] for r in ours}
     assert by_mode["plain"]["ratio_same"] == pytest.approx(ours_tps["none"] / hf[0]["tok_per_s"])
     assert by_mode["plain"]["ratio_best"] == pytest.approx(max(ours_tps.values()) / hf[0]["tok_per_s"])
+    offline = bb.offline_rows(tmp_path, ["code_completion"], 2, 8, 1)
+    assert [(r["who"], r["method"], r["output_tokens"]) for r in offline] == [("ours-offline", "none", 16)]
+    assert bb.ratios(hf + ours + offline) == table                       # offline rows are not HF comparisons
+    (line,) = bb.serving_cost(ours + offline)
+    assert line.endswith(f"= {ours_tps['none'] / offline[0]['tok_per_s']:.2f}")
+
+
+def test_spec_sweep_writes_results_table_and_plots(server_url, tmp_path, monkeypatch):
+    """loadtest.bench_spec against a running server: every grid point measured, a speedup table whose
+    `none` rows carry absolute tok/s and whose ngram rows carry a ratio and τ, and the three PNG plots."""
+    import json
+    from loadtest import bench_spec
+    monkeypatch.setattr(bench_spec, "RESULTS", tmp_path)
+    bench_spec.main(["--url", server_url, "--methods", "ngram", "--ks", "2", "--concurrency", "1,2",
+                     "--temperatures", "0", "--prompt-sets", "code_editing", "--max-tokens", "8",
+                     "--min-prompts", "2", "--prompts-per-slot", "1"])
+    (out,) = tmp_path.iterdir()
+    res = json.loads((out / "results.json").read_text())["results"]
+    assert [(r["method"], r["concurrency"]) for r in res] == [("none", 1), ("ngram", 1), ("none", 2), ("ngram", 2)]
+    assert all(r["completed"] == 2 and r["failed"] == 0 for r in res)     # max(min_prompts, c x per slot)
+    table = (out / "table.md").read_text().splitlines()
+    assert table[0] == "| prompt set | T | method | k | c=1 | c=2 |"
+    assert table[2].startswith("| code_editing | 0.0 | none | 0 | ") and "tok/s" in table[2]
+    assert table[3].startswith("| code_editing | 0.0 | ngram | 2 | ") and "x (τ " in table[3]
+    for png in ("speedup_vs_concurrency.png", "acceptance_length.png", "per_position_acceptance.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+def test_spec_grid_runs_prediction_only_where_prompts_carry_one():
+    from types import SimpleNamespace
+
+    from loadtest.bench_spec import grid
+    args = SimpleNamespace(temperatures=[0.0], prompt_sets=["code_completion", "code_editing"], concurrency=[1],
+                           ks=[2, 4])
+    points = list(grid(args, ["ngram", "prediction"]))
+    assert ("prediction", 2, 1, 0.0, "code_editing") in points
+    assert not [p for p in points if p[0] == "prediction" and p[4] == "code_completion"]
+    assert len(points) == 2 * (1 + 2) + 2          # per set: none + ngram x 2 k; code_editing: + prediction x 2 k

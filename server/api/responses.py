@@ -53,6 +53,7 @@ class SpeculationInfo(BaseModel):
     acceptance_rate: float | None = None            # accepted / draft tokens (None: no drafts)
     mean_acceptance_length: float = 1.0                # tokens per verification step = 1 + accepted / drafts
     accepted_per_position: list[int] = Field(default_factory=list)
+    num_steps_k_reduced: int = 0          # steps where the server's goodput policy drafted fewer than k
     requested: SpeculationRequested | None = None
     notice: str | None = None
 
@@ -72,7 +73,8 @@ class SpeculationInfo(BaseModel):
                    num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
                    acceptance_rate=accepted / draft_tokens if draft_tokens else None,
                    mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
-                   accepted_per_position=per_pos, notice=notice)
+                   accepted_per_position=per_pos, notice=notice,
+                   num_steps_k_reduced=sum(s.num_steps_k_reduced for s in stats))
         if (method, k) != (requested.method, requested.k):
             info.requested = SpeculationRequested(method=requested.method,
                                                   num_speculative_tokens=requested.k)

@@ -6,6 +6,7 @@ a step where it proposes none is a plain decode step for that request.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -18,8 +19,9 @@ from speculators.base import VerifiedStep, count_accepted_positions
 
 
 class SpecDispatcher:
-    def __init__(self, speculators: dict | None = None) -> None:
+    def __init__(self, speculators: dict | None = None, policy=None) -> None:
         self.speculators = dict(speculators or {})    # method -> Speculator
+        self.policy = policy                          # GoodputPolicy or None: learns draft costs and acceptance
 
     @property
     def methods(self) -> list[str]:
@@ -43,7 +45,11 @@ class SpecDispatcher:
                 groups.setdefault(seq.request.spec_params.method, []).append(i)
         for method, idx in groups.items():
             spec = self.speculators[method]
-            proposal = spec.propose([seqs[i].request for i in idx], [seqs[i].num_draft_slots for i in idx])
+            ks = [seqs[i].num_draft_slots for i in idx]
+            t0 = time.perf_counter()
+            proposal = spec.propose([seqs[i].request for i in idx], ks)
+            if self.policy is not None:
+                self.policy.observe_propose(method, time.perf_counter() - t0, max(ks))
             for j, i in enumerate(idx):
                 k = seqs[i].num_draft_slots
                 drafts[i] = list(proposal.token_ids[j][:k])
@@ -60,6 +66,8 @@ class SpecDispatcher:
         for req, out, d in zip(requests, sampled, drafts):
             method = req.spec_params.method
             req.spec_stats.record(len(d), out.num_accepted)
+            if self.policy is not None:
+                self.policy.observe_acceptance(method, len(d), out.num_accepted)
             if d:
                 self._book_step(stats.spec.setdefault(method, SpecStepStats()), len(d), out.num_accepted)
 

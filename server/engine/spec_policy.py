@@ -1,0 +1,151 @@
+"""Goodput policy: how many of its k draft slots each request really uses this step.
+
+A request's k is what it may draft, not what pays off. Verifying a draft token costs the same whether it
+is accepted or not, and the price of a token in the verification forward grows with the batch: at batch 1
+a CPU step is weight-streaming bound (one more row is nearly free), at batch 16 each row costs real
+compute. The policy keeps a draft position only where it is expected to raise the batch's tokens per
+second:
+
+    step time        T(N) = t0 + t1 * N          (N = query tokens in the forward; fitted online)
+    draft step       d_m  seconds per draft step of method m (model-based drafters; 0 for ngram/prediction)
+    request i        alpha_i = its observed acceptance at a drafted position, given the ones before it
+                     were accepted (accepted / attempted positions; a prior from its method's history)
+    position j       expected extra tokens alpha_i ** j, extra cost t1 + d_m / (requests of method m)
+
+Positions are added greedily, best gain first, while gain / cost > S / T (tokens per second of the step
+so far): the gains fall with j, so the greedy choice maximises the step's expected tokens per second.
+
+What it never touches: greedy output (k never changes what a greedy request emits) and seeded sampled
+requests (their k stays as asked, so a seed reproduces the same text whatever the load). It only cuts
+k, never raises it, and each cut is counted: `spec_decode_refused_total{reason="load"}` and the response's
+`speculation.num_steps_k_reduced`. Requests opt out with `"adaptive": false` in their `speculation`.
+
+Off by default (`--speculation-policy goodput` turns it on): measured at batch 1 on the embedded family it
+lost to the best fixed k, because the fit needs steps of different sizes (MIN_SPREAD) and a lone request
+at a constant k never produces them; a start-up calibration of t0/t1 is the missing piece (README).
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from server.engine.scheduler import ScheduledSeq
+
+PRIOR_ALPHA = 0.5         # acceptance assumed for a method never seen
+PRIOR_WEIGHT = 4.0        # attempted positions the prior counts for in a request's estimate
+METHOD_DECAY = 0.995      # per observed step, for the per-method acceptance history
+FIT_DECAY = 0.98          # per step, for the step-time regression
+MIN_FIT_STEPS = 16        # steps observed before the cost model is trusted
+MIN_SPREAD = 1.0          # variance of N (tokens^2) the regression needs to tell t1 from t0
+
+
+class StepCostModel:
+    """Least-squares fit of step seconds against query tokens, exponentially forgetting old steps."""
+
+    def __init__(self, decay: float = FIT_DECAY) -> None:
+        self.decay = decay
+        self.w = self.sn = self.snn = self.st = self.snt = 0.0
+        self.steps = 0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.w = self.w * d + 1.0
+        self.sn = self.sn * d + num_tokens
+        self.snn = self.snn * d + num_tokens * num_tokens
+        self.st = self.st * d + seconds
+        self.snt = self.snt * d + num_tokens * seconds
+        self.steps += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(t0, t1) seconds, or None while the data cannot separate them."""
+        if self.steps < MIN_FIT_STEPS:
+            return None
+        mean_n, mean_t = self.sn / self.w, self.st / self.w
+        var = self.snn / self.w - mean_n * mean_n
+        if var < MIN_SPREAD:
+            return None
+        t1 = (self.snt / self.w - mean_n * mean_t) / var
+        t1 = max(t1, 1e-7)
+        t0 = max(mean_t - t1 * mean_n, 0.0)
+        return t0, t1
+
+
+class GoodputPolicy:
+    def __init__(self) -> None:
+        self.cost = StepCostModel()
+        self.draft_step_s: dict[str, float] = {}              # method -> EMA seconds per draft step
+        self.method_acc: dict[str, list[float]] = {}           # method -> [accepted, attempted], decayed
+
+    # -- learning ------------------------------------------------------------------------------------
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A pure decode/verify step (no prefill rows): N query tokens took `seconds` (forward + sampling)."""
+        self.cost.observe(num_tokens, seconds)
+
+    def observe_propose(self, method: str, seconds: float, steps: int) -> None:
+        if steps > 0:
+            per = seconds / steps
+            old = self.draft_step_s.get(method)
+            self.draft_step_s[method] = per if old is None else 0.9 * old + 0.1 * per
+
+    def observe_acceptance(self, method: str, num_draft: int, num_accepted: int) -> None:
+        if num_draft <= 0:
+            return
+        acc = self.method_acc.setdefault(method, [0.0, 0.0])
+        acc[0] = acc[0] * METHOD_DECAY + num_accepted
+        acc[1] = acc[1] * METHOD_DECAY + min(num_accepted + 1, num_draft)
+
+    def alpha(self, method: str, accepted: int, attempted: int) -> float:
+        acc = self.method_acc.get(method)
+        prior = acc[0] / acc[1] if acc and acc[1] > 0 else PRIOR_ALPHA
+        return min((accepted + PRIOR_WEIGHT * prior) / (attempted + PRIOR_WEIGHT), 0.999)
+
+    # -- deciding ------------------------------------------------------------------------------------
+    def trim(self, seqs: Sequence[ScheduledSeq]) -> int:
+        """Lower num_draft_slots where drafting does not pay; returns how many requests were cut."""
+        fit = self.cost.fit()
+        if fit is None:
+            return 0
+        t0, t1 = fit
+        adaptive = [s for s in seqs if s.num_draft_slots > 0 and _adaptive(s)]
+        if not adaptive:
+            return 0
+        chosen = {id(s) for s in adaptive}
+        n_tokens = sum(s.num_new_tokens + (0 if id(s) in chosen else s.num_draft_slots) for s in seqs)
+        per_method: dict[str, int] = {}
+        for s in adaptive:
+            m = s.request.spec_params.method
+            per_method[m] = per_method.get(m, 0) + 1
+        gained = float(sum(1 for s in seqs if s.samples))          # tokens per step without drafts
+        seconds = t0 + t1 * n_tokens
+        heap, alphas, keep = [], [], [0] * len(adaptive)
+        for i, s in enumerate(adaptive):
+            st = s.request.spec_stats
+            m = s.request.spec_params.method
+            alphas.append(self.alpha(m, st.num_accepted_tokens, st.num_attempted_positions))
+            cost = t1 + self.draft_step_s.get(m, 0.0) / per_method[m]
+            heapq.heappush(heap, (-alphas[i] / cost, i, alphas[i], cost))
+        while heap:
+            _, i, gain, cost = heapq.heappop(heap)
+            if gain * seconds <= cost * gained:          # gain / cost <= tokens per second so far: stop
+                break
+            keep[i] += 1
+            gained += gain
+            seconds += cost
+            if keep[i] < adaptive[i].num_draft_slots:
+                nxt = gain * alphas[i]
+                heapq.heappush(heap, (-nxt / cost, i, nxt, cost))
+        cut = 0
+        for s, k in zip(adaptive, keep):
+            if k < s.num_draft_slots:
+                s.num_draft_slots = k
+                s.request.spec_stats.num_steps_k_reduced += 1
+                cut += 1
+        return cut
+
+
+def _adaptive(seq: ScheduledSeq) -> bool:
+    req = seq.request
+    if not req.spec_params.adaptive:
+        return False
+    p = req.sampling_params
+    return p.greedy or p.seed is None       # a seeded sampled request keeps its k: the seed must reproduce

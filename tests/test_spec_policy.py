@@ -1,0 +1,146 @@
+"""The goodput policy (server/engine/spec_policy.py): cost fit, optimal k choice, what it must never touch."""
+import itertools
+
+import pytest
+
+from sampling.params import SamplingParams
+from server.engine.request import Request
+from server.engine.scheduler import ScheduledSeq
+from server.engine.spec_policy import MIN_FIT_STEPS, GoodputPolicy, StepCostModel
+from speculators.base import SpecParams
+
+T0, T1 = 0.025, 0.0015        # a 2-core CPU step: 25 ms to stream the weights, 1.5 ms per query token
+
+
+def fitted_policy(t0=T0, t1=T1) -> GoodputPolicy:
+    p = GoodputPolicy()
+    for i in range(64):
+        n = 1 + (i * 7) % 80
+        p.observe_step(n, t0 + t1 * n)
+    return p
+
+
+def seq(rid: str, k: int, accepted: int = 0, attempted: int = 0, method="ngram", **sampling) -> ScheduledSeq:
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 64, **sampling})
+    req = Request(rid, [1, 2, 3], params, SpecParams(method, k))
+    req.num_computed_tokens = 2
+    req.spec_stats.num_accepted_tokens, req.spec_stats.num_attempted_positions = accepted, attempted
+    return ScheduledSeq(req, 1, k)
+
+
+def test_cost_model_recovers_the_line_and_waits_for_spread():
+    m = StepCostModel()
+    for _ in range(MIN_FIT_STEPS + 4):
+        m.observe(8, T0 + T1 * 8)                # always the same N: t0 and t1 cannot be told apart
+    assert m.fit() is None
+    for i in range(40):
+        m.observe(1 + i % 30, T0 + T1 * (1 + i % 30))
+    t0, t1 = m.fit()
+    assert t1 == pytest.approx(T1, rel=0.05) and t0 == pytest.approx(T0, rel=0.1)
+    assert StepCostModel().fit() is None         # nothing observed: no decision
+    for _ in range(400):                         # the machine got slower: old steps are forgotten
+        m.observe(1, 2 * T0 + T1)
+        m.observe(30, 2 * T0 + 30 * T1)
+    assert m.fit()[0] == pytest.approx(2 * T0, rel=0.01)
+
+
+def test_no_cut_before_the_cost_model_is_trusted():
+    s = seq("a", 4, accepted=0, attempted=50)   # hopeless acceptance, but the step cost is unknown
+    assert GoodputPolicy().trim([s]) == 0 and s.num_draft_slots == 4
+
+
+def test_batch_one_keeps_drafting_and_a_full_batch_of_poor_acceptors_stops():
+    p = fitted_policy()
+    alone = seq("a", 4, accepted=60, attempted=100)           # alpha ~0.6
+    assert p.trim([alone]) == 0 and alone.num_draft_slots == 4
+    crowd = [seq(f"r{i}", 4, accepted=60, attempted=100) for i in range(16)]
+    assert p.trim(crowd) == 16
+    assert all(s.num_draft_slots < 4 for s in crowd)
+    assert all(s.request.spec_stats.num_steps_k_reduced == 1 for s in crowd)
+    poor = [seq(f"p{i}", 4, accepted=2, attempted=100) for i in range(16)]     # alpha ~0.04
+    p.trim(poor)
+    assert all(s.num_draft_slots == 0 for s in poor)
+
+
+def test_choice_is_the_best_allocation_by_brute_force():
+    p = fitted_policy()
+    p.observe_propose("draft", 0.004, 1)                     # draft steps cost 4 ms, shared by the draft group
+    stats = [(90, 100, "ngram"), (50, 100, "ngram"), (70, 100, "draft"), (30, 100, "draft")]
+    for size in (4, 12):
+        seqs = [seq(f"{size}-{i}", 3, a, n, m) for i, (a, n, m) in enumerate(stats * (size // 4))]
+        p.trim(seqs)
+        chosen = [s.num_draft_slots for s in seqs]
+        alphas = [p.alpha(m, a, n) for a, n, m in stats * (size // 4)]
+        per_method = {m: sum(1 for *_, mm in stats * (size // 4) if mm == m) for m in ("ngram", "draft")}
+        costs = [T1 + p.draft_step_s.get(m, 0.0) / per_method[m] for *_, m in stats * (size // 4)]
+
+        def rate(ks):
+            tokens = len(ks) + sum(sum(a ** j for j in range(1, k + 1)) for a, k in zip(alphas, ks))
+            return tokens / (T0 + T1 * len(ks) + sum(c * k for c, k in zip(costs, ks)))
+        if size == 4:
+            best = max(itertools.product(range(4), repeat=4), key=rate)
+            assert rate(chosen) == pytest.approx(rate(best), rel=1e-6)
+        # no single +-1 change of one request's k does better (local optimality at the larger size)
+        for i in range(len(chosen)):
+            for d in (-1, 1):
+                ks = list(chosen)
+                ks[i] += d
+                if 0 <= ks[i] <= 3:
+                    assert rate(ks) <= rate(chosen) * (1 + 1e-9)
+
+
+def test_seeded_sampling_and_opt_out_keep_their_k():
+    p = fitted_policy()
+    poor = dict(accepted=2, attempted=100)
+    seeded = seq("s", 4, temperature=0.8, seed=7, **poor)
+    unseeded = seq("u", 4, temperature=0.8, **poor)
+    req = Request("o", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8), SpecParams("ngram", 4, adaptive=False))
+    req.num_computed_tokens = 2
+    opted_out = ScheduledSeq(req, 1, 4)
+    crowd = [seq(f"c{i}", 4, **poor) for i in range(14)]
+    p.trim([seeded, unseeded, opted_out, *crowd])
+    assert seeded.num_draft_slots == 4 and opted_out.num_draft_slots == 4
+    assert unseeded.num_draft_slots == 0
+
+
+def test_acceptance_prior_comes_from_the_method_history():
+    p = GoodputPolicy()
+    assert p.alpha("ngram", 0, 0) == pytest.approx(0.5)        # never seen: the default prior
+    for _ in range(200):
+        p.observe_acceptance("ngram", 4, 4)                    # always all accepted: attempted 4, accepted 4
+    assert p.alpha("ngram", 0, 0) > 0.99
+    for _ in range(200):
+        p.observe_acceptance("mtp", 4, 0)                      # always the first rejected: 0 of 1 attempted
+    assert p.alpha("mtp", 0, 0) < 0.01
+    assert p.alpha("mtp", 30, 40) == pytest.approx((30 + 4 * p.alpha("mtp", 0, 0)) / 44)
+
+
+def test_engine_cuts_drafts_when_verifying_costs_more_than_it_gains(tiny_model_dir):
+    """On the real engine: a cost model where every verified token is expensive makes the policy cut every
+    draft; greedy text is unchanged, each cut is counted per request and in the step stats ("load")."""
+    from server.config import EngineConfig
+    from server.engine.offline import OfflineEngine
+    cfg = dict(model=str(tiny_model_dir), dtype="float32", device="cpu", num_threads=1, kv_cache_memory_gb=0.02)
+    fixed = OfflineEngine.from_config(EngineConfig(**cfg))          # fixed is the default
+    assert fixed.engine.spec.policy is None
+    eng = OfflineEngine.from_config(EngineConfig(**cfg, speculation_policy="goodput"))
+    policy = eng.engine.spec.policy
+    assert isinstance(policy, GoodputPolicy)
+    for i in range(64):
+        n = 1 + i % 40
+        policy.observe_step(n, 1e-4 + 1.0 * n)                   # one second per query token
+    prompt = eng.engine.tokenizer.encode("x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,")
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = fixed.generate([prompt], params, SpecParams("ngram", 4))[0]
+    assert ref.spec_stats.num_drafts > 0 and ref.spec_stats.num_steps_k_reduced == 0
+    e = eng.engine
+    e.add_request("r", prompt, params, SpecParams("ngram", 4))
+    refused, outs = 0, []
+    while e.has_work:
+        step_outs, stats = e.step()
+        refused += stats.spec_refused.get("load", 0)
+        outs += step_outs
+    got = [t for o in outs for t in o.token_ids]
+    assert got == ref.token_ids
+    final = outs[-1].spec_stats
+    assert final.num_drafts == 0 and final.num_steps_k_reduced == refused > 0
