@@ -27,10 +27,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def run_point(url: str, method: str, k: int, conc: int, temp: float, pset: str, args) -> dict:
+    """One grid point through loadtest.serve. ignore_eos: every request writes exactly max_tokens (a prompt
+    whose first token is EOS would otherwise count as a failed request, as vLLM's benchmark counts it)."""
     ns = SimpleNamespace(url=url, model=None, api_key=None, method=method, k=k, concurrency=[conc],
                          num_prompts=max(args.min_prompts, conc * args.prompts_per_slot),
                          request_rate=None, prompt_set=pset, max_tokens=args.max_tokens,
-                         temperature=temp, ignore_eos=False, goodput={}, seed=0, timeout=900,
+                         temperature=temp, ignore_eos=True, goodput={}, seed=0, timeout=900,
                          quiet=True)
     before = httpx.get(f"{url}/metrics").text
     res = asyncio.run(serve_amain(ns))[0]
@@ -146,10 +148,10 @@ def main(argv: list[str] | None = None) -> None:
             results.append(run_point(url, m, k, c, t, s, args))
             # written after every point: a cut sweep keeps what it measured
             (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    plot(results, out)
     table = summary_table(results)
     (out / "table.md").write_text(table)
     print(table)
+    plot(results, out)
     print(f"wrote {out}")
 
 

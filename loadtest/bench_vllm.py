@@ -73,6 +73,23 @@ def vllm_cmd(args, port: int, speculate: bool, model: Path) -> list[str]:
     return cmd
 
 
+def labelled(result: dict, server: str, method: str) -> dict:
+    """A client result tagged with the server and the speculation it ran (the client's own `method` field
+    says what it sent: "off" for vLLM, which is configured per server, not per request)."""
+    return {**result, "server": server, "method": method}
+
+
+def ratio_table(rows: list[dict], concurrency: list[int]) -> list[dict]:
+    """ours ÷ vLLM output tokens/s per (concurrency, method), from the rows both servers produced."""
+    tps = {(r["server"], r["method"], r["concurrency"]): r["output_throughput"] for r in rows}
+    table = []
+    for c in concurrency:
+        for m in ("ngram", "none"):
+            v, o = tps[("vllm", m, c)], tps[("ours", m, c)]
+            table.append({"concurrency": c, "method": m, "vllm": v, "ours": o, "ratio": o / v})
+    return table
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
@@ -85,29 +102,26 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     rows = []
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="all", OMP_NUM_THREADS=str(args.threads))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", OMP_NUM_THREADS=str(args.threads))
     with tempfile.TemporaryDirectory() as tmp:
         plain = plain_copy(args.model, Path(tmp) / "target")
         for speculate in (True, False):
             port = free_port()
             with started_process(vllm_cmd(args, port, speculate, plain), port, env=env, timeout=600) as url:
                 for r in drive(url, "off", args):
-                    rows.append({"server": "vllm", "method": "ngram" if speculate else "none", **r})
+                    rows.append(labelled(r, "vllm", "ngram" if speculate else "none"))
     with started_server(None, ["--model", str(args.model), "--dtype", "float32",
                                "--num-threads", str(args.threads)]) as url:
         for method in ("ngram", "none"):
             for r in drive(url, method, args):
-                rows.append({"server": "ours", **r, "method": method})
-    tps = {(r["server"], r["method"], r["concurrency"]): r["output_throughput"] for r in rows}
-    print(f"\n{'concurrency':>11s} {'method':>7s} {'vLLM tok/s':>11s} {'ours tok/s':>11s} {'ours/vLLM':>10s}")
-    table = []
-    for c in args.concurrency:
-        for m in ("ngram", "none"):
-            v, o = tps[("vllm", m, c)], tps[("ours", m, c)]
-            table.append({"concurrency": c, "method": m, "vllm": v, "ours": o, "ratio": o / v})
-            print(f"{c:11d} {m:>7s} {v:11.1f} {o:11.1f} {o / v:10.2f}")
+                rows.append(labelled(r, "ours", method))
     out = RESULTS / time.strftime("vllm-%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
+    (out / "rows.json").write_text(json.dumps(rows, indent=2))      # kept even if the table below fails
+    table = ratio_table(rows, args.concurrency)
+    print(f"\n{'concurrency':>11s} {'method':>7s} {'vLLM tok/s':>11s} {'ours tok/s':>11s} {'ours/vLLM':>10s}")
+    for t in table:
+        print(f"{t['concurrency']:11d} {t['method']:>7s} {t['vllm']:11.1f} {t['ours']:11.1f} {t['ratio']:10.2f}")
     meta = {"command": "python -m loadtest.bench_vllm " + " ".join(argv or []), "machine": platform.platform(),
             "threads": args.threads}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=2))

@@ -104,3 +104,15 @@ def test_spec_grid_runs_prediction_only_where_prompts_carry_one():
     assert ("prediction", 2, 1, 0.0, "code_editing") in points
     assert not [p for p in points if p[0] == "prediction" and p[4] == "code_completion"]
     assert len(points) == 2 * (1 + 2) + 2          # per set: none + ngram x 2 k; code_editing: + prediction x 2 k
+
+
+def test_vllm_comparison_table_pairs_rows_by_server_method_and_concurrency():
+    from loadtest.bench_vllm import labelled, ratio_table
+    sent = {"method": "off", "concurrency": 1, "output_throughput": 40.0}      # what the client returns for vLLM
+    rows = [labelled(sent, "vllm", "ngram"), labelled({**sent, "output_throughput": 30.0}, "vllm", "none"),
+            labelled({**sent, "method": "ngram", "output_throughput": 60.0}, "ours", "ngram"),
+            labelled({**sent, "method": "none", "output_throughput": 33.0}, "ours", "none")]
+    assert rows[0]["method"] == "ngram" and rows[0]["server"] == "vllm"
+    table = ratio_table(rows, [1])
+    assert [t["method"] for t in table] == ["ngram", "none"]
+    assert [t["ratio"] for t in table] == pytest.approx([1.5, 1.1])
