@@ -89,7 +89,13 @@ def test_spec_sweep_writes_results_table_and_plots(server_url, tmp_path, monkeyp
     table = (out / "table.md").read_text().splitlines()
     assert table[0] == "| prompt set | T | method | k | c=1 | c=2 |"
     assert table[2].startswith("| code_editing | 0.0 | none | 0 | ") and "tok/s" in table[2]
-    assert table[3].startswith("| code_editing | 0.0 | ngram | 2 | ") and "x (τ " in table[3]
+    import re
+    assert table[3].startswith("| code_editing | 0.0 | ngram | 2 | ")
+    for cell, r in zip(table[3].split(" | ")[4:], [r for r in res if r["method"] == "ngram"]):
+        ratio = r["output_throughput"] / next(b["output_throughput"] for b in res
+                                              if b["method"] == "none" and b["concurrency"] == r["concurrency"])
+        tau = r["speculation"].get("ngram", {}).get("mean_acceptance_length")   # absent when nothing was drafted
+        assert re.fullmatch(rf"{ratio:.2f}x" + (rf" \(τ {tau:.2f}\)" if tau else "") + r"( \|)?", cell), cell
     for png in ("speedup_vs_concurrency.png", "acceptance_length.png", "per_position_acceptance.png"):
         assert (out / png).stat().st_size > 1000
 

@@ -313,6 +313,8 @@ def live(prometheus_installed: None, tiny_model_dir: Path,
         before = prom.scalar(f"sum(specserve:http_requests_total{sel})") or 0.0
         httpx.get(f"{url}/v1/models", timeout=30)
         prom.wait_for(f"sum(specserve:http_requests_total{sel}) > bool {before}", 1.0)
+        # ... and if /v1/models was a new series, rate() sees it only from its second scrape on
+        prom.wait_for(f"sum(rate(specserve:http_requests_total{sel}[10m])) > bool 0", 1.0)
         yield Live(prom, url, expected)
     finally:
         prom.stop()
