@@ -310,11 +310,14 @@ def live(prometheus_installed: None, tiny_model_dir: Path,
             prom.wait_for(f"min(count_over_time(specserve:{name}{sel}[10m])) >= bool 2", 1.0)
         # If every HTTP increment landed before the series' first scrape, rate() is 0 and the error-rate
         # ratios are 0/0: one more request after that scrape gives the window a real increase.
-        before = prom.scalar(f"sum(specserve:http_requests_total{sel})") or 0.0
-        httpx.get(f"{url}/v1/models", timeout=30)
-        prom.wait_for(f"sum(specserve:http_requests_total{sel}) > bool {before}", 1.0)
-        # ... and if /v1/models was a new series, rate() sees it only from its second scrape on
-        prom.wait_for(f"sum(rate(specserve:http_requests_total{sel}[10m])) > bool 0", 1.0)
+        # A series born by that request starts at 1, and rate() over [1, 1] is 0 too: repeat once the
+        # series has been scraped, until the window holds a real increase.
+        for _ in range(3):
+            before = prom.scalar(f"sum(specserve:http_requests_total{sel})") or 0.0
+            httpx.get(f"{url}/v1/models", timeout=30)
+            prom.wait_for(f"sum(specserve:http_requests_total{sel}) > bool {before}", 1.0)
+            if prom.scalar(f"sum(rate(specserve:http_requests_total{sel}[10m]))"):
+                break
         yield Live(prom, url, expected)
     finally:
         prom.stop()
