@@ -70,14 +70,22 @@ def grid(args, methods: list[str]):
                         yield method, k, conc, temp, pset
 
 
+def _cell(r: dict) -> tuple:
+    return r["concurrency"], r["temperature"], r["prompt_set"]
+
+
+def none_throughput(results: list[dict]) -> dict[tuple, float]:
+    """(concurrency, temperature, prompt set) -> output tokens/s without speculation: every ratio's base."""
+    return {_cell(r): r["output_throughput"] for r in results if r["method"] == "none"}
+
+
 def plot(results: list[dict], out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    base = {(r["concurrency"], r["temperature"], r["prompt_set"]): r["output_throughput"]
-            for r in results if r["method"] == "none"}
+    base = none_throughput(results)
     for r in results:
-        r["speedup"] = r["output_throughput"] / base[(r["concurrency"], r["temperature"], r["prompt_set"])]
+        r["speedup"] = r["output_throughput"] / base[_cell(r)]
     temps = sorted({r["temperature"] for r in results})
     fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
     for ax, t in zip(axes[0], temps):
@@ -158,11 +166,10 @@ def main(argv: list[str] | None = None) -> None:
 def summary_table(results: list[dict]) -> str:
     """Markdown: one row per (prompt set, T, method, k), one speedup column per concurrency."""
     concs = sorted({r["concurrency"] for r in results})
-    base = {(r["concurrency"], r["temperature"], r["prompt_set"]): r["output_throughput"]
-            for r in results if r["method"] == "none"}
+    base = none_throughput(results)
     rows: dict[tuple, dict[int, str]] = {}
     for r in results:
-        b = base.get((r["concurrency"], r["temperature"], r["prompt_set"]))
+        b = base.get(_cell(r))
         key = (r["prompt_set"], r["temperature"], r["method"], r["k"])
         tau = r.get("speculation", {}).get(r["method"], {}).get("mean_acceptance_length")
         cell = f"{r['output_throughput']:.0f} tok/s" if r["method"] == "none" else (

@@ -78,9 +78,8 @@ def _speculation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculation-policy", default=e.speculation_policy, choices=SPECULATION_POLICIES,
                    help="goodput (experimental): each step, draft only the positions expected to raise "
                         "tokens/s given the request's acceptance so far and the batch's measured step cost "
-                        "(never for seeded "
-                        "sampled requests; a request opts out with \"adaptive\": false; every cut is "
-                        "counted). fixed: always draft the k asked for (default: %(default)s)")
+                        "(never for seeded sampled requests; a request opts out with \"adaptive\": false; "
+                        "every cut is counted). fixed: always draft the k asked for (default: %(default)s)")
     g.add_argument("--draft-model", default=e.draft_model, metavar="DIR",
                    help="draft model directory for method 'draft'. Default: none loaded")
     g.add_argument("--eagle3", default=e.eagle3, metavar="DIR",

@@ -126,19 +126,13 @@ class Engine:
             out = self.abort(head.request_id)
             outputs = [out] if out is not None else []
         if sched.seqs:
-            policy = self.spec.policy
-            if policy is not None:
-                cut = policy.trim(sched.seqs)
-                if cut:
-                    stats.spec_refused["load"] = stats.spec_refused.get("load", 0) + cut
             drafts, draft_probs = self.spec.propose(sched.seqs, stats)
             t0 = time.perf_counter()
             batch = self.runner.prepare(sched.seqs, drafts)
             result = self.runner.execute(batch)
             outputs = self._sample_and_update(sched.seqs, drafts, draft_probs, result, stats)
-            if policy is not None and all(s.num_new_tokens == 1 for s in sched.seqs):   # decode/verify only
-                # forward + sampling (the sampler's host copy makes this honest on CUDA too)
-                policy.observe_step(sum(1 + len(d) for d in drafts), time.perf_counter() - t0)
+            # forward + sampling (the sampler's host copy makes this honest on CUDA too)
+            self.spec.observe_step(sched.seqs, drafts, time.perf_counter() - t0)
         self.scheduler.remove_finished()
         stats.num_running = len(self.scheduler.running)
         stats.num_waiting = len(self.scheduler.waiting)

@@ -37,6 +37,10 @@ class SpecDispatcher:
 
     def propose(self, seqs: list[ScheduledSeq], stats: StepStats
                 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        if self.policy is not None:          # cuts num_draft_slots where drafting does not pay; counted
+            cut = self.policy.trim(seqs)
+            if cut:
+                stats.spec_refused["load"] = stats.spec_refused.get("load", 0) + cut
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[torch.Tensor | None] = [None for _ in seqs]
         groups: dict[str, list[int]] = {}
@@ -56,6 +60,11 @@ class SpecDispatcher:
                 p = proposal.draft_probs[j]
                 probs[i] = p[:len(drafts[i])] if p is not None else None
         return drafts, probs
+
+    def observe_step(self, seqs: list[ScheduledSeq], drafts: list[list[int]], seconds: float) -> None:
+        """Step time for the policy's cost fit: pure decode/verify steps only (no prefill rows)."""
+        if self.policy is not None and all(s.num_new_tokens == 1 for s in seqs):
+            self.policy.observe_step(sum(1 + len(d) for d in drafts), seconds)
 
     def update(self, requests: Sequence[Request], sampled: Sequence[SeqSamplingOutput],
                drafts: Sequence[list[int]], stats: StepStats) -> None:
