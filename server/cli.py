@@ -20,9 +20,15 @@ from collections.abc import Sequence
 # before anything imports torch; a value the user set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from server.api.lifecycle import LifecycleConfig  # noqa: E402
-from server.api.limits import Limits  # noqa: E402
-from server.config import DTYPES, SPECULATION_POLICIES, EngineConfig, ServerConfig, parse_speculation  # noqa: E402
+from server.api.lifecycle import LifecycleConfig
+from server.api.limits import Limits
+from server.config import (
+    DTYPES,
+    SPECULATION_POLICIES,
+    EngineConfig,
+    ServerConfig,
+    parse_speculation,
+)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # Config fields whose flag is not `--field-name` (tests/test_cli.py reads this too).

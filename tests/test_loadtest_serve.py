@@ -2,7 +2,13 @@
 import pytest
 
 from loadtest import serve
-from loadtest.serve_metrics import RequestRecord, parse_spec_counters, percentiles, spec_delta, summarize
+from loadtest.serve_metrics import (
+    RequestRecord,
+    parse_spec_counters,
+    percentiles,
+    spec_delta,
+    summarize,
+)
 
 
 def test_percentiles_interpolate_like_numpy():
@@ -77,6 +83,7 @@ def test_spec_sweep_writes_results_table_and_plots(server_url, tmp_path, monkeyp
     """loadtest.bench_spec against a running server: every grid point measured, a speedup table whose
     `none` rows carry absolute tok/s and whose ngram rows carry a ratio and τ, and the three PNG plots."""
     import json
+
     from loadtest import bench_spec
     monkeypatch.setattr(bench_spec, "RESULTS", tmp_path)
     bench_spec.main(["--url", server_url, "--methods", "ngram", "--ks", "2", "--concurrency", "1,2",

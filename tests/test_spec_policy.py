@@ -74,7 +74,7 @@ def test_choice_is_the_best_allocation_by_brute_force():
         per_method = {m: sum(1 for *_, mm in stats * (size // 4) if mm == m) for m in ("ngram", "draft")}
         costs = [T1 + p.draft_step_s.get(m, 0.0) / per_method[m] for *_, m in stats * (size // 4)]
 
-        def rate(ks):
+        def rate(ks, alphas=alphas, costs=costs):
             tokens = len(ks) + sum(sum(a ** j for j in range(1, k + 1)) for a, k in zip(alphas, ks))
             return tokens / (T0 + T1 * len(ks) + sum(c * k for c, k in zip(costs, ks)))
         if size == 4:
@@ -91,7 +91,7 @@ def test_choice_is_the_best_allocation_by_brute_force():
 
 def test_seeded_sampling_and_opt_out_keep_their_k():
     p = fitted_policy()
-    poor = dict(accepted=2, attempted=100)
+    poor = {"accepted": 2, "attempted": 100}
     seeded = seq("s", 4, temperature=0.8, seed=7, **poor)
     unseeded = seq("u", 4, temperature=0.8, **poor)
     req = Request("o", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8), SpecParams("ngram", 4, adaptive=False))
@@ -120,7 +120,7 @@ def test_engine_cuts_drafts_when_verifying_costs_more_than_it_gains(tiny_model_d
     draft; greedy text is unchanged, each cut is counted per request and in the step stats ("load")."""
     from server.config import EngineConfig
     from server.engine.offline import OfflineEngine
-    cfg = dict(model=str(tiny_model_dir), dtype="float32", device="cpu", num_threads=1, kv_cache_memory_gb=0.02)
+    cfg = {"model": str(tiny_model_dir), "dtype": "float32", "device": "cpu", "num_threads": 1, "kv_cache_memory_gb": 0.02}
     fixed = OfflineEngine.from_config(EngineConfig(**cfg))          # fixed is the default
     assert fixed.engine.spec.policy is None
     eng = OfflineEngine.from_config(EngineConfig(**cfg, speculation_policy="goodput"))
