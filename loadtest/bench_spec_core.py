@@ -23,7 +23,7 @@ from sampling.params import SamplingParams
 from server.config import EngineConfig
 from server.engine.offline import OfflineEngine
 from server.engine.scheduler import ScheduledSeq
-from server.engine.spec_policy import GoodputPolicy
+from server.engine.spec_policy import GoodputPolicy, calibrated_policy
 from speculators.base import SpecParams
 
 
@@ -107,6 +107,7 @@ def main() -> None:
     eng = OfflineEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_gb=0.5,
                                                  draft_model=args.draft_model, eagle3=args.eagle3,
                                                  speculation_policy="fixed"))     # k means k here
+    calibration = calibrated_policy(eng.engine.runner, 64).calibration   # before any request (scratch blocks)
     tok = eng.engine.tokenizer
     edits = load_prompt_set("code_editing", args.num_prompts)
     edit_prompts = [tok.encode(r["prompt"]) for r in edits]
@@ -132,10 +133,11 @@ def main() -> None:
             print(f"{name:14} {method:22} {tps:8.1f} {tps / base:8.2f} {mean_acceptance(outs):10.2f}")
     vk = verify_cost(eng, context=256, ks=sorted({1, 2, 4, 8, k}))
     print("verification cost v(k) at context 256: " + "  ".join(f"v({k})={v:.2f}" for k, v in vk.items()))
-    model_based(eng, free, args, vk)
+    model_based(eng, free, args, vk, calibration)
 
 
-def model_based(eng: OfflineEngine, prompts, args, vk: dict[int, float]) -> None:
+def model_based(eng: OfflineEngine, prompts, args, vk: dict[int, float],
+                calibration: list[tuple[int, float]]) -> None:
     """draft / eagle3 / mtp when loaded: speedup, acceptance, c, and the predicted speedup."""
     methods = [m for m in ("draft", "eagle3", "mtp") if m in eng.engine.spec.speculators]
     if not methods:
@@ -158,9 +160,11 @@ def model_based(eng: OfflineEngine, prompts, args, vk: dict[int, float]) -> None
                 pred = tau / (k * c + v)
                 print(f"{temp:4.1f} {m:10} {k:3d} {tps:8.1f} {tps / base:8.2f} {tau:10.2f} {c:6.3f} "
                       f"{pred:9.2f} {tps / base / pred:9.2f}{same}", flush=True)
-            # the server's default: k as a ceiling, cut per step by the goodput policy (learns as it runs)
+            # --speculation-policy goodput: k as a ceiling, cut per step (calibrated at start, learns as it runs)
             kmax = max(args.ks)
-            eng.engine.spec.policy = GoodputPolicy()
+            policy = GoodputPolicy()
+            policy.calibrate(calibration)
+            eng.engine.spec.policy = policy
             tps, outs = run(eng, prompts, SpecParams(m, kmax), args.new_tokens, temperature=temp)
             eng.engine.spec.policy = None
             cut = sum(o.spec_stats.num_steps_k_reduced for o in outs)

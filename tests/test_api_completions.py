@@ -171,3 +171,40 @@ def test_goodput_policy_fields_and_opt_out(client, http):
         client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=2,
                                   extra_body={"speculation": {"method": "ngram", "adaptive": "maybe"}})
     assert "adaptive" in err.value.body["message"] and err.value.body["param"] == "speculation"
+
+
+MIXED_PROMPTS = ["a b c a b c a b c a b", "def f(x):\n    return f(x)\ndef f(", PROMPT, "1 2 3 1 2 3 1 2",
+                 "import os\nimport os\nimport", "x = x + 1\nx = x + 1\n", "Once upon a time", "[0, 0, 0, 0,"]
+
+
+def test_eight_concurrent_requests_mixing_methods_and_k_equal_plain_greedy(client, server_url):
+    """Issue 4 end to end: 8 requests in flight at once over HTTP, each with its own method and k (and
+    Predicted Outputs, exact and wrong), share verification steps; every text equals plain greedy."""
+    import asyncio
+    kwargs = {"model": SERVED_NAME, "max_tokens": 24, "temperature": 0, "extra_body": dict(LONG)}
+    plain = [client.completions.create(prompt=p, **kwargs).choices[0].text for p in MIXED_PROMPTS]
+    specs = [{"method": "none"}, {"method": "ngram", "num_speculative_tokens": 1},
+             {"method": "ngram", "num_speculative_tokens": 3}, {"method": "ngram", "num_speculative_tokens": 8},
+             {"method": "prediction", "num_speculative_tokens": 4}, {"method": "prediction", "num_speculative_tokens": 2},
+             {"method": "ngram", "num_speculative_tokens": 5}, {"method": "prediction", "num_speculative_tokens": 8}]
+    predictions = {4: plain[4], 5: "something else entirely", 7: plain[7][:10] + "zzz" + plain[7][10:]}
+
+    async def one(async_client, i: int):
+        body = {**LONG, "speculation": specs[i]}
+        if i in predictions:
+            body["prediction"] = {"type": "content", "content": predictions[i]}
+        return await async_client.completions.create(model=SERVED_NAME, prompt=MIXED_PROMPTS[i], max_tokens=24,
+                                                     temperature=0, extra_body=body)
+
+    async def all_at_once():
+        import openai
+        async with openai.AsyncOpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0,
+                                      timeout=60) as async_client:   # its own event loop: its own client
+            return await asyncio.gather(*(one(async_client, i) for i in range(len(MIXED_PROMPTS))))
+
+    results = asyncio.run(all_at_once())
+    assert [r.choices[0].text for r in results] == plain
+    for r, spec in zip(results, specs):
+        assert r.model_extra["speculation"]["method"] == spec["method"]
+    exact = results[4]
+    assert exact.usage.completion_tokens_details.accepted_prediction_tokens > 0   # the exact prediction is used

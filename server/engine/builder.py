@@ -14,7 +14,7 @@ from server.engine.kv_cache import kv_cache_bytes_per_block
 from server.engine.model_runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.spec_dispatch import SpecDispatcher
-from server.engine.spec_policy import GoodputPolicy
+from server.engine.spec_policy import calibrated_policy
 from server.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -120,10 +120,11 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     bm = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
     sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len)
     sampler = RejectionSampler(eos_token_ids=tokenizer.eos_token_ids)
-    policy = GoodputPolicy() if cfg.speculation_policy == "goodput" else None
-    spec = SpecDispatcher(build_speculators(cfg, runner, tokenizer), policy)
+    spec = SpecDispatcher(build_speculators(cfg, runner, tokenizer))
     runner.aux_layer_ids = tuple(sorted({i for sp in spec.speculators.values()
                                          for i in getattr(sp, "aux_layer_ids", ())}))
+    if cfg.speculation_policy == "goodput":     # timed with the aux taps on, before any request exists
+        spec.policy = calibrated_policy(runner, cfg.max_num_seqs)
     return Engine(runner, sched, tokenizer, sampler, spec, max_len), cfg.served_model_name or name
 
 

@@ -7,6 +7,7 @@ end of its known tokens (all rows of the chunk when prompt logprobs were asked).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -95,3 +96,32 @@ class ModelRunner:
         logits = self.model.compute_logits(out.hidden[batch.logits_indices])   # [num_rows, vocab] fp32
         return StepResult(logits=logits, aux_hidden=out.aux_hidden, hidden=out.hidden,
                           prenorm_hidden=out.prenorm_hidden, batch=batch)
+
+    @torch.inference_mode()
+    def time_verify_step(self, num_seqs: int, query_len: int, context_len: int, reps: int = 3) -> float:
+        """Seconds of one forward (+ logits of every row) verifying `query_len` tokens for each of
+        `num_seqs` sequences with `context_len` tokens before them.
+
+        Start-up calibration only: it writes K/V into the first blocks of the cache, so it must run
+        before any request owns a block (the values are never read by anyone afterwards: a block is
+        always written by its owner before it is attended to, and no prefix hash points at these).
+        """
+        blocks_per_seq = -(-(context_len + query_len) // self.block_size)
+        num_blocks = self.kv_caches[0][0].shape[0]
+        if num_seqs * blocks_per_seq > num_blocks:
+            raise ValueError(f"{num_seqs} x {context_len + query_len} tokens need {num_seqs * blocks_per_seq} "
+                             f"KV blocks, the cache has {num_blocks}")
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+        attn = build_attention_metadata([query_len] * num_seqs, [context_len + query_len] * num_seqs,
+                                        tables, self.block_size, self.device)
+        input_ids = torch.zeros(num_seqs * query_len, dtype=torch.long, device=self.device)
+
+        def once() -> None:
+            out = self.model.forward_states(input_ids, attn, self.kv_caches, self.aux_layer_ids)
+            self.model.compute_logits(out.hidden).argmax(dim=-1).tolist()   # the host copy syncs CUDA too
+
+        once()
+        start = time.perf_counter()
+        for _ in range(reps):
+            once()
+        return (time.perf_counter() - start) / reps

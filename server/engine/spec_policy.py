@@ -20,16 +20,24 @@ requests (their k stays as asked, so a seed reproduces the same text whatever th
 k, never raises it, and each cut is counted: `spec_decode_refused_total{reason="load"}` and the response's
 `speculation.num_steps_k_reduced`. Requests opt out with `"adaptive": false` in their `speculation`.
 
-Off by default (`--speculation-policy goodput` turns it on): measured at batch 1 on the embedded family it
-lost to the best fixed k, because the fit needs steps of different sizes (MIN_SPREAD) and a lone request
-at a constant k never produces them; a start-up calibration of t0/t1 is the missing piece (README).
+Calibration: a lone request at a constant k only ever produces steps of one size, from which t0 and t1
+cannot be told apart (MIN_SPREAD). So the engine times a few verification forwards of different sizes at
+start-up (ModelRunner.time_verify_step, CALIBRATION_SHAPES) and hands them to `calibrate()`: they stay in
+the fit as a fixed prior worth PRIOR_SAMPLE_WEIGHT steps each, while the decaying online observations
+move the line to what the server really sees.
+
+Off by default (`--speculation-policy goodput` turns it on); see the README for how it compares with the
+best fixed k.
 """
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Sequence
 
 from server.engine.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
 
 PRIOR_ALPHA = 0.5         # acceptance assumed for a method never seen
 PRIOR_WEIGHT = 4.0        # attempted positions the prior counts for in a request's estimate
@@ -37,6 +45,10 @@ METHOD_DECAY = 0.995      # per observed step, for the per-method acceptance his
 FIT_DECAY = 0.98          # per step, for the step-time regression
 MIN_FIT_STEPS = 16        # steps observed before the cost model is trusted
 MIN_SPREAD = 1.0          # variance of N (tokens^2) the regression needs to tell t1 from t0
+PRIOR_SAMPLE_WEIGHT = 2.0  # steps' worth of evidence each start-up calibration sample counts for
+# (sequences, query tokens per sequence) timed at start-up: decode and verify shapes at a few batch sizes
+CALIBRATION_SHAPES = ((1, 1), (1, 3), (1, 5), (1, 7), (4, 1), (4, 5), (8, 1), (8, 5))
+CALIBRATION_CONTEXT = 128  # tokens before the verified ones in each calibration sequence
 
 
 class StepCostModel:
@@ -46,6 +58,13 @@ class StepCostModel:
         self.decay = decay
         self.w = self.sn = self.snn = self.st = self.snt = 0.0
         self.steps = 0
+        self.prior = (0.0, 0.0, 0.0, 0.0, 0.0)   # (w, sn, snn, st, snt) of the calibration; never decays
+
+    def set_prior(self, samples: list[tuple[int, float]], weight: float = PRIOR_SAMPLE_WEIGHT) -> None:
+        """Fixed (num_tokens, seconds) samples, e.g. timed at start-up, each counting as `weight` steps."""
+        self.prior = (weight * len(samples), weight * sum(n for n, _ in samples),
+                      weight * sum(n * n for n, _ in samples), weight * sum(t for _, t in samples),
+                      weight * sum(n * t for n, t in samples))
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         d = self.decay
@@ -58,13 +77,15 @@ class StepCostModel:
 
     def fit(self) -> tuple[float, float] | None:
         """(t0, t1) seconds, or None while the data cannot separate them."""
-        if self.steps < MIN_FIT_STEPS:
+        pw, psn, psnn, pst, psnt = self.prior
+        if self.steps + pw < MIN_FIT_STEPS:
             return None
-        mean_n, mean_t = self.sn / self.w, self.st / self.w
-        var = self.snn / self.w - mean_n * mean_n
+        w = self.w + pw
+        mean_n, mean_t = (self.sn + psn) / w, (self.st + pst) / w
+        var = (self.snn + psnn) / w - mean_n * mean_n
         if var < MIN_SPREAD:
             return None
-        t1 = (self.snt / self.w - mean_n * mean_t) / var
+        t1 = ((self.snt + psnt) / w - mean_n * mean_t) / var
         t1 = max(t1, 1e-7)
         t0 = max(mean_t - t1 * mean_n, 0.0)
         return t0, t1
@@ -73,10 +94,16 @@ class StepCostModel:
 class GoodputPolicy:
     def __init__(self) -> None:
         self.cost = StepCostModel()
+        self.calibration: list[tuple[int, float]] = []        # start-up (num_tokens, seconds) samples
         self.draft_step_s: dict[str, float] = {}              # method -> EMA seconds per draft step
         self.method_acc: dict[str, list[float]] = {}           # method -> [accepted, attempted], decayed
 
     # -- learning ------------------------------------------------------------------------------------
+    def calibrate(self, samples: list[tuple[int, float]]) -> None:
+        """Start-up step timings (num_tokens, seconds) of different sizes: the fit is usable at once."""
+        self.calibration = list(samples)
+        self.cost.set_prior(samples)
+
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A pure decode/verify step (no prefill rows): N query tokens took `seconds` (forward + sampling)."""
         self.cost.observe(num_tokens, seconds)
@@ -141,6 +168,30 @@ class GoodputPolicy:
                 s.request.spec_stats.num_steps_k_reduced += 1
                 cut += 1
         return cut
+
+
+def calibrated_policy(runner, max_num_seqs: int) -> GoodputPolicy:
+    """A GoodputPolicy whose step-cost fit starts from forwards timed now (call before any request:
+    ModelRunner.time_verify_step borrows the first KV blocks). Shapes the cache or max_num_seqs
+    cannot hold are skipped; with fewer than two sizes left the policy learns online only."""
+    policy = GoodputPolicy()
+    samples = []
+    for num_seqs, query_len in CALIBRATION_SHAPES:
+        if num_seqs > max_num_seqs:
+            continue
+        try:
+            samples.append((num_seqs * query_len, runner.time_verify_step(num_seqs, query_len, CALIBRATION_CONTEXT)))
+        except ValueError:      # a cache too small for this shape
+            continue
+    policy.calibrate(samples)
+    fit = policy.cost.fit()
+    if fit is None:
+        log.warning("goodput policy: start-up calibration gave no usable step-cost fit (%d samples); "
+                    "it will learn online", len(samples))
+    else:
+        log.info("goodput policy calibrated on %d step sizes: step = %.2f ms + %.3f ms per verified token",
+                 len(samples), fit[0] * 1e3, fit[1] * 1e3)
+    return policy
 
 
 def _adaptive(seq: ScheduledSeq) -> bool:
