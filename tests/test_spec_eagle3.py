@@ -278,10 +278,13 @@ def perturb(module: torch.nn.Module) -> None:
             p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.02))
 
 
-def test_the_embedded_familys_exports_draft_what_the_trainer_predicts(tmp_path):
+@pytest.mark.parametrize("reduced_vocab", [False, True], ids=["full-vocab", "draft-vocab"])
+def test_the_embedded_familys_exports_draft_what_the_trainer_predicts(tmp_path, reduced_vocab):
     """Contract with training/: a target + MTP layer and an EAGLE-3 head written by training.export load
     here, and our drafts' probabilities equal the trainer's own modules (MTP row N-2; EAGLE-3 training-
-    time-test steps 0..k-1 of row N-2, whose attention pattern is exactly inference's)."""
+    time-test steps 0..k-1 of row N-2, whose attention pattern is exactly inference's). With a reduced
+    draft vocabulary (training's --draft-vocab), the exported d2t maps the trainer's ids to the same
+    target ids and every id outside it gets probability 0."""
     from training.eagle3 import Eagle3Head as TrainedHead
     from training.eagle3 import aux_layer_ids, target_features
     from training.export import export_eagle3, export_llama
@@ -294,8 +297,9 @@ def test_the_embedded_familys_exports_draft_what_the_trainer_predicts(tmp_path):
     target = LlamaLM(spec)
     perturb(target)
     # the head keeps a frozen copy of the (final) target embedding, as in training; it is never exported
+    draft_ids = torch.randperm(spec.vocab_size)[:spec.vocab_size // 3].sort().values if reduced_vocab else None
     head = TrainedHead(LlamaSpec(**{**spec.to_dict(), "num_hidden_layers": 1, "num_nextn_predict_layers": 0}),
-                       spec.hidden_size, target.model.embed_tokens.weight)
+                       spec.hidden_size, target.model.embed_tokens.weight, draft_ids)
     perturb(head)
     export_llama(target, tmp_path / "target", dtype=torch.float32)
     export_eagle3(head, spec, tmp_path / "eagle3", aux_layer_ids(TARGET_LAYERS), dtype=torch.float32)
@@ -315,6 +319,11 @@ def test_the_embedded_familys_exports_draft_what_the_trainer_predicts(tmp_path):
             aux, _ = target_features(target, torch.tensor([context]), layers)                    # rows 0..N-2
             next_tokens = torch.tensor([context[1:] + drafts[:-1]])
             steps = head.ttt_logits(aux, next_tokens, len(drafts))
-            trained = torch.stack([s[0, len(context) - 2] for s in steps]).softmax(-1)            # [k, V]
+            trained = torch.stack([s[0, len(context) - 2] for s in steps]).softmax(-1)            # [k, Vd]
+            if reduced_vocab:
+                full = torch.zeros(len(drafts), spec.vocab_size)
+                full[:, draft_ids] = trained
+                trained = full
+                assert all(d in set(draft_ids.tolist()) for d in drafts)
             torch.testing.assert_close(probs, trained, atol=2e-5, rtol=1e-3)
     assert len(logs["mtp"]) > 3 and len(logs["eagle3"]) > 3

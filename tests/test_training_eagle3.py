@@ -4,7 +4,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from training.eagle3 import Eagle3Head, aux_layer_ids, target_features, ttt_loss
+from training.eagle3 import Eagle3Head, aux_layer_ids, select_draft_vocab, target_features, ttt_loss
 from training.export import export_eagle3
 from training.model import LlamaLM, LlamaSpec
 from training.train_eagle3 import head_spec
@@ -86,3 +86,51 @@ def test_acceptance_walk():
     assert walk(lambda p: 0, 0, 20, 4) == 1.0
     # the cap at the end of the sequence: 7 tokens, full acceptance -> steps of 5 and 2
     assert walk(lambda p: 4, 0, 7, 4) == 3.5
+
+
+def test_select_draft_vocab_takes_the_most_frequent_ids_sorted():
+    stream = [5, 5, 5, 2, 2, 9, 9, 7, 1]                # counts: 5:3, 2:2, 9:2, 7:1, 1:1
+    assert select_draft_vocab(stream, 12, 3).tolist() == [2, 5, 9]
+    assert select_draft_vocab(stream, 12, 4).tolist() == [1, 2, 5, 9]   # a tie (1 vs 7) goes to the lower id
+    for bad in (0, 13):
+        try:
+            select_draft_vocab(stream, 12, bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"size {bad} accepted")
+
+
+def test_reduced_draft_vocab_trains_exports_public_tables_and_round_trips(tmp_path):
+    from training.evaluate import load_head
+    torch.manual_seed(0)
+    target = LlamaLM(TARGET).eval()
+    draft_ids = torch.tensor(sorted(torch.randperm(512)[:96].tolist()))
+    head = Eagle3Head(head_spec(TARGET), TARGET.hidden_size, target.model.embed_tokens.weight, draft_ids)
+    head.init_from_target(target)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[draft_ids])   # warm start: the draft rows
+    layers = aux_layer_ids(8)
+    w = torch.randint(0, 512, (4, 33))
+    aux, tl = target_features(target, w, layers)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(15):
+        loss, _, accs = ttt_loss(head, aux, w, tl, steps=3)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert losses[-1] < losses[0] and all(0.0 <= a <= 1.0 for a in accs)
+    out = export_eagle3(head, TARGET, tmp_path / "eagle3", layers, dtype=torch.float32)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vocab_size"] == 512 and cfg["draft_vocab_size"] == 96
+    sd = load_file(str(out / "model.safetensors"))
+    assert sd["lm_head.weight"].shape == (96, 32) and "draft_ids" not in sd
+    assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool and sd["t2d"].shape == (512,)
+    assert torch.equal(torch.arange(96) + sd["d2t"], draft_ids)                 # an OFFSET table
+    assert torch.equal(torch.nonzero(sd["t2d"]).flatten(), draft_ids)
+    back = load_head(out, target)                                                # what training.evaluate scores
+    assert torch.equal(back.draft_ids, draft_ids)
+    with torch.no_grad():
+        nxt = torch.cat([w[:, 1:], torch.zeros(4, 2, dtype=w.dtype)], 1)
+        for a, b in zip(head.ttt_logits(aux, nxt, 3), back.ttt_logits(aux, nxt, 3)):
+            torch.testing.assert_close(a, b)

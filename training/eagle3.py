@@ -14,6 +14,12 @@ Loss of step j: soft cross-entropy to the target's distribution at position i+1+
 for token i+2+j), weighted 0.8^j, over rows with i+1+j < window length.
 Worked example: window [t0..t4] (T=4 rows), j=1, row 0: hidden = step-0 output of row 0, token t2, position 1,
 target = softmax(target_logits[2]) (the target's prediction of t3).
+
+Reduced draft vocabulary (optional, as the public heads do): lm_head scores only Vd target ids, the Vd most
+frequent in the training corpus (`select_draft_vocab`, sorted ascending). The loss then matches the target's
+distribution renormalised over those ids, and a draft id maps back to target id draft_ids[d]; the export
+writes this as the public d2t offset table (target = d + d2t[d]) and the t2d mask. A smaller lm_head is
+the point: it is most of the head's per-step cost.
 """
 from __future__ import annotations
 
@@ -38,24 +44,48 @@ class Midlayer(nn.Module):
         self.mlp = MLP(spec)
 
 
+def select_draft_vocab(tokens, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent ids of a token stream, sorted ascending -> [size] int64 (ties: lower id)."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft vocabulary size must be in [1, {vocab_size}], got {size}")
+    counts = torch.bincount(torch.as_tensor(tokens).long().reshape(-1), minlength=vocab_size)[:vocab_size]
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:size]
+    return torch.tensor(sorted(order), dtype=torch.long)
+
+
 class Eagle3Head(nn.Module):
-    def __init__(self, spec: LlamaSpec, target_hidden_size: int, target_embedding: torch.Tensor):
+    def __init__(self, spec: LlamaSpec, target_hidden_size: int, target_embedding: torch.Tensor,
+                 draft_ids: torch.Tensor | None = None):
+        """draft_ids: [Vd] ascending target ids the lm_head scores (None: the whole vocabulary)."""
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding.from_pretrained(target_embedding.detach().clone(), freeze=True)
         self.fc = nn.Linear(3 * target_hidden_size, spec.hidden_size, bias=False)
         self.midlayer = Midlayer(spec)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.register_buffer("draft_ids", None if draft_ids is None else draft_ids.long().clone())
+        self.lm_head = nn.Linear(spec.hidden_size, self.draft_vocab_size, bias=False)
         for name, p in self.named_parameters():
             if p.requires_grad:
                 nn.init.ones_(p) if p.dim() == 1 else nn.init.normal_(p, 0.0, 0.02)
 
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.spec.vocab_size if self.draft_ids is None else self.draft_ids.numel()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Argmaxes of the head's logits -> target token ids."""
+        return draft_ids if self.draft_ids is None else self.draft_ids[draft_ids]
+
+    def restrict(self, target_logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] target scores -> [..., Vd], the columns the head predicts (softmax renormalises them)."""
+        return target_logits if self.draft_ids is None else target_logits.index_select(-1, self.draft_ids)
+
     def init_from_target(self, target: LlamaLM) -> None:
-        """Warm start: lm_head and final norm from the target (same hidden size required)."""
+        """Warm start: lm_head (its draft rows) and final norm from the target (same hidden size required)."""
         if target.spec.hidden_size == self.spec.hidden_size:
             with torch.no_grad():
-                self.lm_head.weight.copy_(target.lm_head.weight)
+                self.lm_head.weight.copy_(self.restrict(target.lm_head.weight.t()).t())
                 self.norm.weight.copy_(target.model.norm.weight)
 
     def ttt_logits(self, aux: torch.Tensor, next_tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -113,10 +143,11 @@ def ttt_loss(head: Eagle3Head, aux: torch.Tensor, window: torch.Tensor, target_l
     total, ces, accs = 0.0, [], []
     for j, h in enumerate(states):
         n = T - j                                                          # rows with a target position i+1+j <= T
-        tgt = target_logits[:, 1 + j:1 + j + n:row_stride].float()
-        lp = F.log_softmax(head.logits(h[:, :n:row_stride]).float(), dim=-1)
-        ce = -(F.softmax(tgt, dim=-1) * lp).sum(-1).mean()
+        tgt = target_logits[:, 1 + j:1 + j + n:row_stride].float()                  # [B, n', V]
+        lp = F.log_softmax(head.logits(h[:, :n:row_stride]).float(), dim=-1)       # [B, n', Vd]
+        ce = -(F.softmax(head.restrict(tgt), dim=-1) * lp).sum(-1).mean()
         total = total + (decay ** j) * ce
         ces.append(ce.item())
-        accs.append((lp.argmax(-1) == tgt.argmax(-1)).float().mean().item())
+        # agreement with the target's own top-1 over the FULL vocabulary (a top-1 outside the draft vocab is a miss)
+        accs.append((head.to_target_ids(lp.argmax(-1)) == tgt.argmax(-1)).float().mean().item())
     return total, ces, accs

@@ -94,7 +94,7 @@ def acceptance(target: LlamaLM, seq: list[int], start: int, draft: LlamaLM | Non
         logits = head.ttt_logits(aux, nxt, k)
         corr = torch.zeros(T + 1, k, dtype=torch.bool)
         for j, lg in enumerate(logits):
-            pj = lg[0].argmax(-1)                                         # [T] row i predicts seq[i+2+j]
+            pj = head.to_target_ids(lg[0].argmax(-1))                     # [T] row i predicts seq[i+2+j]
             n = max(0, T - 2 - j)
             corr[1:1 + n, j] = pj[:n] == x[0, 2 + j:2 + j + n]
         m = chain_matches(corr)
@@ -104,9 +104,15 @@ def acceptance(target: LlamaLM, seq: list[int], start: int, draft: LlamaLM | Non
 
 def load_head(path: Path, target: LlamaLM) -> Eagle3Head:
     from safetensors.torch import load_file
-    head = Eagle3Head(head_spec(target.spec), target.spec.hidden_size, target.model.embed_tokens.weight)
-    sd = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
+    sd = load_file(str(path / "model.safetensors"))
+    d2t = sd.pop("d2t", None)
+    sd.pop("t2d", None)
+    draft_ids = None if d2t is None else torch.arange(d2t.numel()) + d2t.long()
+    head = Eagle3Head(head_spec(target.spec), target.spec.hidden_size, target.model.embed_tokens.weight, draft_ids)
+    sd = {k: v.float() for k, v in sd.items()}
     sd["embed_tokens.weight"] = target.model.embed_tokens.weight
+    if draft_ids is not None:
+        sd["draft_ids"] = draft_ids
     head.load_state_dict(sd)
     return head.eval()
 

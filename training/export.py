@@ -115,7 +115,7 @@ def export_eagle3(head, target_spec: LlamaSpec, out_dir: Path, aux_layers: tuple
         "architectures": ["LlamaForCausalLMEagle3"],
         "num_hidden_layers": 1,
         "num_nextn_predict_layers": 0,
-        "draft_vocab_size": s.vocab_size,
+        "draft_vocab_size": head.draft_vocab_size,
         "target_hidden_size": target_spec.hidden_size,
         "torch_dtype": str(dtype).replace("torch.", ""),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True},
@@ -124,7 +124,14 @@ def export_eagle3(head, target_spec: LlamaSpec, out_dir: Path, aux_layers: tuple
     if training_info:
         cfg["specserve_training"] = training_info
     write_json(out_dir / "config.json", cfg)
-    sd = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
+    sd = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()
+          if not k.startswith("embed_tokens") and k != "draft_ids"}
+    if head.draft_ids is not None:   # public layout: d2t offsets [Vd] int64, t2d mask [V] bool
+        ids = head.draft_ids.cpu()
+        sd["d2t"] = (ids - torch.arange(ids.numel())).to(torch.int64).contiguous()
+        t2d = torch.zeros(s.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        sd["t2d"] = t2d
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     copy_tokenizer(out_dir, tokenizer_dir)
     return out_dir

@@ -12,13 +12,14 @@ from pathlib import Path
 import torch
 
 from training import common
-from training.eagle3 import Eagle3Head, aux_layer_ids, target_features, ttt_loss
+from training.eagle3 import Eagle3Head, aux_layer_ids, select_draft_vocab, target_features, ttt_loss
 from training.export import export_eagle3, load_llama
 from training.model import LlamaLM, LlamaSpec, count_params
 
 
 def head_spec(target: LlamaSpec) -> LlamaSpec:
-    """One layer as wide as the target, full vocabulary (no d2t/t2d), same RoPE."""
+    """One layer as wide as the target, same RoPE; vocab_size is the TARGET's (the embedding it reads and
+    t2d's length). The lm_head's own size, the draft vocabulary, is chosen by --draft-vocab."""
     return LlamaSpec(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
                      intermediate_size=target.intermediate_size, num_hidden_layers=1,
                      num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
@@ -60,7 +61,13 @@ def train(args) -> dict:
     for p in target.parameters():
         p.requires_grad_(False)
     layers = aux_layer_ids(target.spec.num_hidden_layers)
-    head = Eagle3Head(head_spec(target.spec), target.spec.hidden_size, target.model.embed_tokens.weight)
+    draft_ids = None
+    if args.draft_vocab and args.draft_vocab < target.spec.vocab_size:
+        draft_ids = select_draft_vocab(train_stream, target.spec.vocab_size, args.draft_vocab)
+        share = float(torch.isin(torch.as_tensor(train_stream).long(), draft_ids).float().mean())
+        print(f"[{args.name}] draft vocabulary: the {args.draft_vocab} most frequent of {target.spec.vocab_size} "
+              f"ids ({share:.1%} of training tokens)", flush=True)
+    head = Eagle3Head(head_spec(target.spec), target.spec.hidden_size, target.model.embed_tokens.weight, draft_ids)
     head.init_from_target(target)
     head.to(args.device)
     opt = common.make_optimizer(head, args.lr, args.weight_decay)
@@ -129,6 +136,7 @@ def train(args) -> dict:
     if not args.no_export:
         export_eagle3(head.cpu(), target.spec, args.out, layers, training_info={
             "tokens": st.tokens, "ttt_steps": args.ttt_steps, "lr": args.lr, "seed": args.seed,
+            "draft_vocab": head.draft_vocab_size,
             "heldout_top1_per_step": summary["heldout_top1"], "target": _repo_relative(args.target)})
         print(f"[{args.name}] exported {args.out}", flush=True)
     return summary
@@ -155,6 +163,8 @@ def main(argv=None):
     ap.add_argument("--decay-frac", type=float, default=0.2, help="warmup-stable-decay tail (1 = cosine)")
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="lm_head over the N most frequent corpus ids (d2t/t2d in the export); 0 = full vocabulary")
     ap.add_argument("--eval-steps", type=int, default=4, help="chain length scored at eval (k=4)")
     ap.add_argument("--row-stride", type=int, default=2, help="score every n-th row (lm_head cost)")
     ap.add_argument("--tokens", type=float, default=None)
