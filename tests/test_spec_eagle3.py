@@ -327,3 +327,21 @@ def test_the_embedded_familys_exports_draft_what_the_trainer_predicts(tmp_path, 
                 assert all(d in set(draft_ids.tolist()) for d in drafts)
             torch.testing.assert_close(probs, trained, atol=2e-5, rtol=1e-3)
     assert len(logs["mtp"]) > 3 and len(logs["eagle3"]) > 3
+    if reduced_vocab:
+        return
+    # training.restrict_eagle3 cuts the same full-vocabulary export down to some rows: the server's drafts
+    # are then the trainer's distribution over those rows only, renormalised.
+    from training.restrict_eagle3 import restrict_head
+    rows = torch.randperm(spec.vocab_size)[:spec.vocab_size // 4].sort().values
+    restrict_head(tmp_path / "eagle3", tmp_path / "eagle3-cut", rows)
+    eng = make_engine(tmp_path / "target", eagle3=str(tmp_path / "eagle3-cut"), enable_prefix_caching=False)
+    log = record_proposals(eng, "eagle3")
+    eng.generate(prompts, params, [SpecParams("eagle3", 3)] * 2)
+    with torch.no_grad():
+        for context, drafts, probs, _ in log[::3]:
+            aux, _ = target_features(target, torch.tensor([context]), layers)
+            steps = head.ttt_logits(aux, torch.tensor([context[1:] + drafts[:-1]]), len(drafts))
+            want = torch.zeros(len(drafts), spec.vocab_size)
+            want[:, rows] = torch.stack([s[0, len(context) - 2, rows] for s in steps]).softmax(-1)
+            torch.testing.assert_close(probs, want, atol=2e-5, rtol=1e-3)
+    assert len(log) > 3

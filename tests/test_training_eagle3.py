@@ -4,7 +4,13 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from training.eagle3 import Eagle3Head, aux_layer_ids, select_draft_vocab, target_features, ttt_loss
+from training.eagle3 import (
+    Eagle3Head,
+    aux_layer_ids,
+    select_draft_vocab,
+    target_features,
+    ttt_loss,
+)
 from training.export import export_eagle3
 from training.model import LlamaLM, LlamaSpec
 from training.train_eagle3 import head_spec
@@ -45,7 +51,7 @@ def test_head_trains_and_exports(tmp_path):
     aux, tl = target_features(target, w, layers)
     first = None
     for _ in range(15):
-        loss, ces, _ = ttt_loss(head, aux, w, tl, steps=3)
+        loss, _, _ = ttt_loss(head, aux, w, tl, steps=3)
         first = first if first is not None else loss.item()
         loss.backward()
         opt.step()
@@ -134,3 +140,18 @@ def test_reduced_draft_vocab_trains_exports_public_tables_and_round_trips(tmp_pa
         nxt = torch.cat([w[:, 1:], torch.zeros(4, 2, dtype=w.dtype)], 1)
         for a, b in zip(head.ttt_logits(aux, nxt, 3), back.ttt_logits(aux, nxt, 3)):
             torch.testing.assert_close(a, b)
+
+
+def test_restrict_head_refuses_reduced_heads_and_bad_ids(tmp_path):
+    import pytest
+
+    from training.restrict_eagle3 import restrict_head
+    _, head = _setup()
+    full = export_eagle3(head, TARGET, tmp_path / "full", aux_layer_ids(8))
+    for bad in (torch.tensor([3, 1]), torch.tensor([1, 1]), torch.tensor([0, 512]), torch.tensor([], dtype=torch.long)):
+        with pytest.raises(ValueError, match="distinct ascending"):
+            restrict_head(full, tmp_path / "cut", bad)
+    cut = restrict_head(full, tmp_path / "cut", torch.tensor([0, 7, 300]))
+    assert load_file(str(cut / "model.safetensors"))["d2t"].tolist() == [0, 6, 298]
+    with pytest.raises(ValueError, match="already"):
+        restrict_head(cut, tmp_path / "again", torch.tensor([0, 7]))

@@ -27,7 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.model import MLP, Attention, LlamaLM, LlamaSpec, RMSNorm, apply_rope, rope_cos_sin
+from training.model import (
+    MLP,
+    Attention,
+    LlamaLM,
+    LlamaSpec,
+    RMSNorm,
+    rope_cos_sin,
+)
 
 
 def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -98,7 +105,7 @@ class Eagle3Head(nn.Module):
 
     def ttt_states(self, aux: torch.Tensor, next_tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Like ttt_logits but returns the pre-norm states per step, each [B, T, H]."""
-        B, T, _ = aux.shape
+        T = aux.shape[1]
         ml = self.midlayer
         attn: Attention = ml.self_attn
         x = self.fc(aux)                                                   # [B, T, H]

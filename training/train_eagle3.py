@@ -12,7 +12,13 @@ from pathlib import Path
 import torch
 
 from training import common
-from training.eagle3 import Eagle3Head, aux_layer_ids, select_draft_vocab, target_features, ttt_loss
+from training.eagle3 import (
+    Eagle3Head,
+    aux_layer_ids,
+    select_draft_vocab,
+    target_features,
+    ttt_loss,
+)
 from training.export import export_eagle3, load_llama
 from training.model import LlamaLM, LlamaSpec, count_params
 
