@@ -9,7 +9,7 @@ Worked example, vocab 3, target_probs row [0.6, 0.1, 0.3], rejected draft token 
   one-hot draft:            residual max([0.6, 0.1, 0.3] - [0, 0, 1], 0) = [0.6, 0.1, 0]
   draft_probs [0.2, 0.1, 0.7]: residual max([0.4, 0.0, -0.4], 0)         = [0.4, 0.0, 0]
 The sampler draws the recovered token proportionally to the residual (no explicit renormalisation:
-its exponential race accepts unnormalised weights).
+its inverse-CDF draw, sampling/rng.py, scales by the row total, so unnormalised weights are fine).
 """
 from __future__ import annotations
 

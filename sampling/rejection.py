@@ -34,7 +34,7 @@ from sampling.batch import SamplingBatch
 from sampling.draft_distribution import DraftDistribution
 from sampling.logprobs import collect_logprobs
 from sampling.outputs import SeqSamplingInput, SeqSamplingOutput
-from sampling.rng import RandomDraws
+from sampling.rng import RandomDraws, inverse_cdf
 from sampling.sampler import Sampler
 
 
@@ -112,7 +112,7 @@ class RejectionSampler:
         # An all-zero residual needs target_probs == draft_probs at that row, where rejection has
         # probability 0; float rounding can still get there, and the target row is then exact.
         weights = torch.where(weights.sum(dim=-1, keepdim=True) > 0, weights, final_target)
-        final_ids = (weights / draws.noise).argmax(dim=-1)                         # [m]
+        final_ids = inverse_cdf(weights, draws.final)                              # [m]
         tokens = torch.cat([drafts, drafts.new_zeros(len(seqs), 1)], dim=1)        # [m, k+1]
         tokens.scatter_(1, num_accepted[:, None], final_ids[:, None])
         return tokens, num_accepted

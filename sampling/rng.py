@@ -2,14 +2,16 @@
 
 A random-sampling request with k drafts consumes exactly, in this order:
   k uniforms in [0, 1)  - one acceptance test per draft position;
-  vocab Exp(1) draws    - the noise of an exponential race that picks the final (recovered or
-                          bonus) token: argmax(weights / noise) is a sample from weights / sum.
+  1 uniform in [0, 1)   - the inverse-CDF draw of the final (recovered or bonus) token: the first
+                          token whose cumulative weight exceeds u * sum(weights).
 The count depends only on k, never on what was accepted or on the rest of the batch, so a request
 with its own seeded torch.Generator reproduces its outputs whenever it sees the same drafts.
 Requests without a generator draw from the global RNG in one batched call.
 
-Worked example of the race: weights [0.2, 0.8], noise [0.5, 4.0] gives ratios [0.4, 0.2] -> token 0.
-P(token i) = weights_i / sum(weights) because min_i(noise_i / weights_i) is an exponential race.
+Worked example of the final draw: weights [0.6, 0.1, 0.0], u = 0.9 -> u * 0.7 = 0.63; cumulative
+[0.6, 0.7, 0.7]: the first entry above 0.63 is token 1. A zero weight adds nothing to the cumulative
+sum, so the strict "above" never lands on it. (An exponential race over the vocabulary, used before,
+is as exact but draws vocab random numbers per request: ~4 ms for 16 x 8192 on this CPU.)
 """
 from __future__ import annotations
 
@@ -37,21 +39,29 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 @dataclass
 class RandomDraws:
     uniforms: torch.Tensor      # [m, max_drafts] float32; entries j >= k_i are unused padding
-    noise: torch.Tensor         # [m, vocab] float32 Exp(1), strictly positive
+    final: torch.Tensor         # [m] float32 in [0, 1): the final token's inverse-CDF draw
 
     @classmethod
     def draw(cls, seqs: Sequence[SeqSamplingInput], max_drafts: int, vocab_size: int,
              device: torch.device) -> RandomDraws:
         """Draws for the random-sampling requests `seqs`, each from its own generator if it has one."""
         uniforms = torch.rand(len(seqs), max_drafts, device=device)              # [m, max_drafts]
-        noise = torch.empty(len(seqs), vocab_size, device=device).exponential_()  # [m, vocab]
+        final = torch.rand(len(seqs), device=device)                              # [m]
         for i, seq in enumerate(seqs):
             if seq.generator is None:
                 continue
             # Overwrite the seeded request's slots in place from its own stream (views, no copies).
             uniforms[i, :len(seq.draft_token_ids)].uniform_(generator=seq.generator)
-            noise[i].exponential_(generator=seq.generator)
-        # exponential_ can return exactly 0; weight / 0 would be inf (or NaN for a zero weight),
-        # letting an impossible token win the race.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return cls(uniforms=uniforms, noise=noise)
+            final[i:i + 1].uniform_(generator=seq.generator)
+        return cls(uniforms=uniforms, final=final)
+
+
+def inverse_cdf(weights: torch.Tensor,   # [m, vocab] >= 0, every row with a positive entry; need not sum to 1
+                u: torch.Tensor,         # [m] in [0, 1)
+                ) -> torch.Tensor:
+    """[m] long: per row the first token whose cumulative weight exceeds u * total (never a zero weight)."""
+    cdf = weights.cumsum(dim=-1)                                                  # [m, vocab]
+    drawn = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous(), right=True).squeeze(1)
+    # u * total can round up to the total: fall back to the row's last token of positive weight
+    last = weights.shape[1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(drawn, last)

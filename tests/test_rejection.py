@@ -91,10 +91,10 @@ def test_random_table(rows, drafts, draft_probs, emitted, accepted):
         assert run(rows, [request(drafts, draft_probs, **RANDOM)]) == [(emitted, accepted)]
 
 
-def pin_draws(monkeypatch, uniforms: list[list[float]], noise: list[list[float]] | None = None):
+def pin_draws(monkeypatch, uniforms: list[list[float]], final: list[float] | None = None):
     def draw(seqs, max_drafts, vocab_size, device):
         return RandomDraws(uniforms=torch.tensor(uniforms).view(len(seqs), max_drafts),
-                           noise=torch.tensor(noise) if noise else torch.ones(len(seqs), vocab_size))
+                           final=torch.tensor(final) if final else torch.zeros(len(seqs)))
     monkeypatch.setattr(rejection.RandomDraws, "draw", staticmethod(draw))
 
 
@@ -102,11 +102,13 @@ def test_pinned_draws_worked_example(monkeypatch):
     # The rejection.py docstring: drafts [1, 2], uniforms [0.4, 0.7].
     rows = [row({0: .2, 1: .5, 2: .3}), row({0: .6, 1: .1, 2: .3}), peaked(4)]
     seqs = [request([1, 2], **RANDOM)]
-    # 0.4 < 0.5 accepts 1; 0.7 >= 0.3 rejects 2; residual [.6, .1, 0]: equal noise -> token 0
+    # 0.4 < 0.5 accepts 1; 0.7 >= 0.3 rejects 2; residual [.6, .1, 0]: final draw 0 -> token 0
     pin_draws(monkeypatch, [[0.4, 0.7]])
     assert run(rows, seqs) == [([1, 0], 1)]
-    # noise [100, 1, 1, 1, 1] makes the race [.006, .1, 0]: token 1 wins; token 2 (zeroed) never can
-    pin_draws(monkeypatch, [[0.4, 0.7]], [[100.0, 1.0, 1e-30, 1.0, 1.0]])
+    # final draw 0.9: 0.9 * 0.7 = 0.63, cumulative [.6, .7, .7]: token 1; token 2 (zeroed) never can
+    pin_draws(monkeypatch, [[0.4, 0.7]], [0.9])
+    assert run(rows, seqs) == [([1, 1], 1)]
+    pin_draws(monkeypatch, [[0.4, 0.7]], [0.999999])
     assert run(rows, seqs) == [([1, 1], 1)]
     # uniforms [0.4, 0.2] accept both: bonus from row 2
     pin_draws(monkeypatch, [[0.4, 0.2]])
@@ -129,8 +131,8 @@ def test_pinned_draws_residual_uses_draft_probs(monkeypatch):
     pin_draws(monkeypatch, [[0.9]])   # ratio .4 / .5 = .8 < .9: rejected
     # with the drafter's distribution the residual is {0: .2}; a one-hot draft would leave {0, 2}
     assert run(rows, [request([1], [{1: .5, 2: .5}], **RANDOM)]) == [([0], 0)]
-    pin_draws(monkeypatch, [[0.9]], [[1.0, 1.0, 1.0, 1.0, 1.0]])
-    assert run(rows, [request([1], None, **RANDOM)]) == [([2], 0)]   # .4 at token 2 beats .2
+    pin_draws(monkeypatch, [[0.9]], [0.9])   # residual {0: .2, 2: .4}: 0.9 * 0.6 = 0.54 > 0.2 -> token 2
+    assert run(rows, [request([1], None, **RANDOM)]) == [([2], 0)]
 
 
 def test_deterministic_draft_recovers_from_the_rest_of_the_target():

@@ -277,7 +277,8 @@ def test_speculative_and_plain_logprobs_are_identical():
 def _seeded_run(seed: int, others: int, steps: int = 5) -> list[list[int]]:
     """Five steps of one seeded request with k = 2 drafts, next to `others` unseeded requests."""
     generator = make_generator(seed)
-    logits = random_logits(3 + others, vocab=1000, seed=5, scale=0.1)   # flat: many likely tokens
+    mine = random_logits(3, vocab=1000, seed=5, scale=0.1)                 # flat: many likely tokens
+    logits = torch.cat([random_logits(others, vocab=1000, seed=6, scale=0.1), mine])   # same rows for me
     emitted = []
     for _ in range(steps):
         me = SeqSamplingInput(SamplingParams(temperature=1.0, seed=seed), [1], [], [3, 4],
