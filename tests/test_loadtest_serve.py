@@ -129,3 +129,17 @@ def test_vllm_comparison_table_pairs_rows_by_server_method_and_concurrency():
     table = ratio_table(rows, [1])
     assert [t["method"] for t in table] == ["ngram", "none"]
     assert [t["ratio"] for t in table] == pytest.approx([1.5, 1.1])
+
+
+def test_step_profile_accounts_for_each_stage(tiny_model_dir, capsys):
+    """loadtest.profile_step on the tiny model: none first and last, every stage timed, stages within the step."""
+    from loadtest import profile_step
+    results = profile_step.main(["--model", str(tiny_model_dir), "--methods", "ngram", "--k", "2",
+                                 "--concurrency", "3", "--max-tokens", "6", "--temperature", "0.8",
+                                 "--kv-cache-memory-gb", "0.02"])
+    assert [r["method"] for r in results] == ["none", "ngram", "none"]
+    for r in results:
+        assert r["steps"] > 0 and r["tok_per_s"] > 0
+        assert {"forward", "logits", "sampler", "prepare", "emit"} <= set(r["stages"])
+        assert sum(r["stages"].values()) <= r["ms_per_step"] * 1.01   # stages are inside the step
+    assert results[1]["stages"].get("propose", 0) > 0 and "ms/step" in capsys.readouterr().out

@@ -1,0 +1,99 @@
+"""Where an engine step's time goes, per speculation method, on the offline engine (no HTTP).
+
+Wraps the step's stages with timers and prints milliseconds per step for each: propose (drafting),
+prepare (batch + attention metadata), forward (target trunk), logits (lm_head), sampler (rejection
+sampling), observe (the drafters' catch-up on accepted tokens), emit (stop checks, detokenizing).
+Runs the methods one after another on the same prompts, `none` first and last (the two `none` rows
+show how much the machine drifted during the run).
+
+    python -m loadtest.profile_step --methods eagle3,mtp,draft --k 2 --concurrency 16 --temperature 0.8
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from collections.abc import Callable
+
+import torch
+
+from loadtest.prompt_sets import load_prompt_set
+from sampling.params import SamplingParams
+from server.config import EngineConfig
+from server.engine.offline import OfflineEngine
+from speculators.base import SpecParams
+
+STAGES = (("propose", "spec", "propose"), ("prepare", "runner", "prepare"), ("forward", "model", "forward_states"),
+          ("logits", "model", "compute_logits"), ("observe", "spec", "observe"), ("emit", "engine", "_emit"))
+
+
+class StageTimers:
+    """Timers around the engine's stages; `totals` holds seconds per stage."""
+
+    def __init__(self, eng: OfflineEngine) -> None:
+        e = eng.engine
+        owners = {"spec": e.spec, "runner": e.runner, "model": e.runner.model, "engine": e}
+        self.totals: dict[str, float] = collections.defaultdict(float)
+        for name, owner, attr in STAGES:
+            setattr(owners[owner], attr, self._timed(name, getattr(owners[owner], attr)))
+        e.sampler = self._timed("sampler", e.sampler)
+
+    def _timed(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[name] += time.perf_counter() - start
+        return timed
+
+
+def profile(eng: OfflineEngine, timers: StageTimers, prompts: list[list[int]], spec: SpecParams,
+            params: SamplingParams) -> dict:
+    """One generate() over all prompts at once -> tokens/s, steps, ms per step and per stage."""
+    timers.totals.clear()
+    start = time.perf_counter()
+    outs = eng.generate(prompts, params, spec)
+    seconds = time.perf_counter() - start
+    steps = max(o.num_steps for o in outs)
+    return {"method": spec.method, "tok_per_s": sum(len(o.token_ids) for o in outs) / seconds, "steps": steps,
+            "ms_per_step": seconds / steps * 1e3,
+            "stages": {k: v / steps * 1e3 for k, v in sorted(timers.totals.items(), key=lambda kv: -kv[1])}}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--methods", default="eagle3,mtp,draft", help="comma list; none runs first and last")
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-set", default="docstring_to_code")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
+    args = ap.parse_args(argv)
+    eng = OfflineEngine.from_config(EngineConfig(model=args.model, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                                                 speculation_policy="fixed"))
+    tok = eng.engine.tokenizer
+    rows = load_prompt_set(args.prompt_set)
+    prompts = [tok.encode(rows[i % len(rows)]["prompt"]) for i in range(args.concurrency)]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
+    methods = [m for m in args.methods.split(",") if m and m != "none"]
+    missing = [m for m in methods if m not in eng.engine.spec.speculators]
+    if missing:
+        raise SystemExit(f"not loaded: {missing}; loaded: {eng.engine.spec.methods}")
+    eng.generate(prompts[:2], SamplingParams(temperature=args.temperature, max_tokens=4, ignore_eos=True))  # warm-up
+    timers = StageTimers(eng)
+    print(f"threads {torch.get_num_threads()}, {args.concurrency} requests x {args.max_tokens} tokens, "
+          f"T = {args.temperature}, k = {args.k}, prompt set {args.prompt_set}; ms per engine step")
+    results = []
+    for method in ["none", *methods, "none"]:
+        r = profile(eng, timers, prompts, SpecParams() if method == "none" else SpecParams(method, args.k), params)
+        results.append(r)
+        print(f"{method:8s} {r['tok_per_s']:7.1f} tok/s {r['steps']:4d} steps {r['ms_per_step']:7.1f} ms/step | "
+              + " ".join(f"{k} {v:.1f}" for k, v in r["stages"].items()), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
