@@ -22,7 +22,6 @@ from loadtest.prompt_sets import load_prompt_set
 from sampling.params import SamplingParams
 from server.config import EngineConfig
 from server.engine.offline import OfflineEngine
-from server.engine.scheduler import ScheduledSeq
 from server.engine.spec_policy import GoodputPolicy, calibrated_policy
 from speculators.base import SpecParams
 
@@ -66,27 +65,12 @@ def mean_acceptance(outs) -> float:
     return 1.0 + acc / drafts if drafts else 1.0
 
 
-def verify_cost(eng: OfflineEngine, context: int, ks: list[int], reps: int = 20) -> dict[int, float]:
-    """v(k): seconds of one target forward verifying k drafts / seconds with k = 0."""
-    e = eng.engine
-    vocab = e.runner.cfg.vocab_size
-    prompt = torch.randint(0, vocab, (context,)).tolist()
-    e.add_request("vk", prompt, SamplingParams(temperature=0.0, max_tokens=64), SpecParams())
-    e.step()                                   # prefill
-    req = e.live["vk"].request
-    times = {}
-    for k in [0, *ks]:
-        e.scheduler.bm.ensure_slots(req, req.num_computed_tokens + 1 + k)
-        seq = ScheduledSeq(req, 1, k)
-        batch = e.runner.prepare([seq], [prompt[:k]])
-        for _ in range(3):
-            e.runner.execute(batch)
-        t = time.perf_counter()
-        for _ in range(reps):
-            e.runner.execute(batch)
-        times[k] = (time.perf_counter() - t) / reps
-    e.abort("vk")
-    return {k: times[k] / times[0] for k in ks}
+def verify_costs(eng: OfflineEngine, context: int, ks: list[int], reps: int = 20) -> dict[int, float]:
+    """v(k): seconds of one target forward verifying k drafts / seconds with k = 0, at `context` tokens.
+    Uses ModelRunner.time_verify_step's scratch blocks, so it runs before any request."""
+    runner = eng.engine.runner
+    plain = runner.time_verify_step(1, 1, context, reps)
+    return {k: runner.time_verify_step(1, k + 1, context, reps) / plain for k in ks}
 
 
 def main() -> None:
@@ -107,7 +91,9 @@ def main() -> None:
     eng = OfflineEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_gb=0.5,
                                                  draft_model=args.draft_model, eagle3=args.eagle3,
                                                  speculation_policy="fixed"))     # k means k here
-    calibration = calibrated_policy(eng.engine.runner, 64).calibration   # before any request (scratch blocks)
+    # both before any request: they time forwards on scratch KV blocks
+    calibration = calibrated_policy(eng.engine.runner, 64).calibration
+    vk = verify_costs(eng, context=256, ks=sorted({1, 2, 4, 8, args.k, *args.ks}))
     tok = eng.engine.tokenizer
     edits = load_prompt_set("code_editing", args.num_prompts)
     edit_prompts = [tok.encode(r["prompt"]) for r in edits]
@@ -131,7 +117,6 @@ def main() -> None:
         for method, tps, outs in rows:
             assert [o.token_ids for o in outs] == exact, f"{method} changed greedy output"
             print(f"{name:14} {method:22} {tps:8.1f} {tps / base:8.2f} {mean_acceptance(outs):10.2f}")
-    vk = verify_cost(eng, context=256, ks=sorted({1, 2, 4, 8, k}))
     print("verification cost v(k) at context 256: " + "  ".join(f"v({k})={v:.2f}" for k, v in vk.items()))
     model_based(eng, free, args, vk, calibration)
 
@@ -156,8 +141,7 @@ def model_based(eng: OfflineEngine, prompts, args, vk: dict[int, float],
                 same = "" if temp else ("  same as none" if [o.token_ids for o in outs] ==
                                         [o.token_ids for o in base_outs] else "  DIFFERS FROM none")
                 tau = mean_acceptance(outs)
-                v = vk.get(k) or verify_cost(eng, 256, [k])[k]
-                pred = tau / (k * c + v)
+                pred = tau / (k * c + vk[k])
                 print(f"{temp:4.1f} {m:10} {k:3d} {tps:8.1f} {tps / base:8.2f} {tau:10.2f} {c:6.3f} "
                       f"{pred:9.2f} {tps / base / pred:9.2f}{same}", flush=True)
             # --speculation-policy goodput: k as a ceiling, cut per step (calibrated at start, learns as it runs)

@@ -92,7 +92,7 @@ class RejectionSampler:
         """tokens [m, max_drafts + 1] (valid up to num_accepted inclusive), num_accepted [m]."""
         group, max_drafts = batch.random, batch.max_drafts
         seqs = [batch.seqs[i] for i in group.reqs]
-        draws = RandomDraws.draw(seqs, max_drafts, batch.vocab_size, batch.device)
+        draws = RandomDraws.draw(seqs, max_drafts, batch.device)
         drafts = batch.draft_ids.index_select(0, group.req_index)                  # [m, k]
         draft_dist = DraftDistribution.build(seqs, drafts, group.num_drafts, batch.vocab_size)
         columns = torch.arange(max_drafts, device=batch.device)

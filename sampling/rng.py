@@ -42,8 +42,7 @@ class RandomDraws:
     final: torch.Tensor         # [m] float32 in [0, 1): the final token's inverse-CDF draw
 
     @classmethod
-    def draw(cls, seqs: Sequence[SeqSamplingInput], max_drafts: int, vocab_size: int,
-             device: torch.device) -> RandomDraws:
+    def draw(cls, seqs: Sequence[SeqSamplingInput], max_drafts: int, device: torch.device) -> RandomDraws:
         """Draws for the random-sampling requests `seqs`, each from its own generator if it has one."""
         uniforms = torch.rand(len(seqs), max_drafts, device=device)              # [m, max_drafts]
         final = torch.rand(len(seqs), device=device)                              # [m]

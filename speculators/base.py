@@ -32,6 +32,12 @@ def count_accepted_positions(per_pos: list[int], num_draft: int, num_accepted: i
         per_pos[i] += 1
 
 
+def attempted_positions(num_draft: int, num_accepted: int) -> int:
+    """Draft positions a verification reached: the accepted ones plus the first rejected one, if any.
+    accepted / attempted estimates the acceptance at a position given the earlier ones were accepted."""
+    return min(num_accepted + 1, num_draft)
+
+
 @dataclass
 class SpecStats:
     """Per-request speculation counters, reported in the response's `speculation` field."""
@@ -50,7 +56,7 @@ class SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        self.num_attempted_positions += min(num_accepted + 1, num_draft)
+        self.num_attempted_positions += attempted_positions(num_draft, num_accepted)
         count_accepted_positions(self.accepted_per_pos, num_draft, num_accepted)
 
     @property

@@ -92,7 +92,7 @@ def test_random_table(rows, drafts, draft_probs, emitted, accepted):
 
 
 def pin_draws(monkeypatch, uniforms: list[list[float]], final: list[float] | None = None):
-    def draw(seqs, max_drafts, vocab_size, device):
+    def draw(seqs, max_drafts, device):
         return RandomDraws(uniforms=torch.tensor(uniforms).view(len(seqs), max_drafts),
                            final=torch.tensor(final) if final else torch.zeros(len(seqs)))
     monkeypatch.setattr(rejection.RandomDraws, "draw", staticmethod(draw))

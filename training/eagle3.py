@@ -56,8 +56,7 @@ def select_draft_vocab(tokens, vocab_size: int, size: int) -> torch.Tensor:
     if not 0 < size <= vocab_size:
         raise ValueError(f"draft vocabulary size must be in [1, {vocab_size}], got {size}")
     counts = torch.bincount(torch.as_tensor(tokens).long().reshape(-1), minlength=vocab_size)[:vocab_size]
-    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:size]
-    return torch.tensor(sorted(order), dtype=torch.long)
+    return torch.argsort(-counts, stable=True)[:size].sort().values      # stable: a tie keeps the lower id
 
 
 class Eagle3Head(nn.Module):

@@ -20,7 +20,7 @@ import torch
 from training import common
 from training.corpus import heldout_functions
 from training.eagle3 import Eagle3Head, aux_layer_ids
-from training.export import load_llama
+from training.export import draft_ids_from_d2t, load_llama
 from training.lm_loop import evaluate as lm_heldout
 from training.model import LlamaLM
 from training.train_eagle3 import head_spec
@@ -107,7 +107,7 @@ def load_head(path: Path, target: LlamaLM) -> Eagle3Head:
     sd = load_file(str(path / "model.safetensors"))
     d2t = sd.pop("d2t", None)
     sd.pop("t2d", None)
-    draft_ids = None if d2t is None else torch.arange(d2t.numel()) + d2t.long()
+    draft_ids = None if d2t is None else draft_ids_from_d2t(d2t)
     head = Eagle3Head(head_spec(target.spec), target.spec.hidden_size, target.model.embed_tokens.weight, draft_ids)
     sd = {k: v.float() for k, v in sd.items()}
     sd["embed_tokens.weight"] = target.model.embed_tokens.weight

@@ -103,6 +103,19 @@ def export_llama(model: LlamaLM, out_dir: Path, dtype: torch.dtype = torch.bfloa
     return out_dir
 
 
+def draft_vocab_tables(draft_ids: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
+    """The public EAGLE-3 reduced-vocabulary tensors for ascending target ids `draft_ids` [Vd]:
+    d2t [Vd] int64 OFFSETS (target id = draft id + d2t[draft id]) and t2d [V] bool (kept ids)."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    return {"d2t": (draft_ids - torch.arange(draft_ids.numel())).to(torch.int64), "t2d": t2d}
+
+
+def draft_ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
+    """[Vd] target id of every draft id: the inverse of draft_vocab_tables' offsets."""
+    return torch.arange(d2t.numel()) + d2t.long()
+
+
 def export_eagle3(head, target_spec: LlamaSpec, out_dir: Path, aux_layers: tuple[int, ...],
                   dtype: torch.dtype = torch.bfloat16, training_info: dict | None = None,
                   tokenizer_dir: Path = TOKENIZER_DIR) -> Path:
@@ -126,12 +139,8 @@ def export_eagle3(head, target_spec: LlamaSpec, out_dir: Path, aux_layers: tuple
     write_json(out_dir / "config.json", cfg)
     sd = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()
           if not k.startswith("embed_tokens") and k != "draft_ids"}
-    if head.draft_ids is not None:   # public layout: d2t offsets [Vd] int64, t2d mask [V] bool
-        ids = head.draft_ids.cpu()
-        sd["d2t"] = (ids - torch.arange(ids.numel())).to(torch.int64).contiguous()
-        t2d = torch.zeros(s.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        sd["t2d"] = t2d
+    if head.draft_ids is not None:
+        sd.update(draft_vocab_tables(head.draft_ids.cpu(), s.vocab_size))
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     copy_tokenizer(out_dir, tokenizer_dir)
     return out_dir

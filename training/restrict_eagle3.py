@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from training.eagle3 import select_draft_vocab
+from training.export import draft_vocab_tables
 
 
 def restrict_head(head_dir: Path, out_dir: Path, draft_ids: torch.Tensor) -> Path:
@@ -34,10 +35,7 @@ def restrict_head(head_dir: Path, out_dir: Path, draft_ids: torch.Tensor) -> Pat
     shutil.rmtree(out_dir, ignore_errors=True)
     shutil.copytree(head_dir, out_dir)
     tensors["lm_head.weight"] = tensors["lm_head.weight"][draft_ids].contiguous()
-    tensors["d2t"] = (draft_ids - torch.arange(draft_ids.numel())).to(torch.int64)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[draft_ids] = True
-    tensors["t2d"] = t2d
+    tensors.update(draft_vocab_tables(draft_ids, vocab))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     cfg["draft_vocab_size"] = int(draft_ids.numel())
     cfg.setdefault("specserve_training", {})["restricted_from_full_vocab"] = True

@@ -36,6 +36,7 @@ import logging
 from collections.abc import Sequence
 
 from server.engine.scheduler import ScheduledSeq
+from speculators.base import attempted_positions
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class GoodputPolicy:
             return
         acc = self.method_acc.setdefault(method, [0.0, 0.0])
         acc[0] = acc[0] * METHOD_DECAY + num_accepted
-        acc[1] = acc[1] * METHOD_DECAY + min(num_accepted + 1, num_draft)
+        acc[1] = acc[1] * METHOD_DECAY + attempted_positions(num_draft, num_accepted)
 
     def alpha(self, method: str, accepted: int, attempted: int) -> float:
         acc = self.method_acc.get(method)
