@@ -32,7 +32,23 @@ def _cfg(tmp_path, **kw):
     return LMTrainConfig(**base)
 
 
-def test_tiny_target_trains_and_resumes(tmp_path, monkeypatch, streams):
+@pytest.fixture(params=["fp32", "bf16"])
+def precision(request, monkeypatch):
+    """Both training precisions run on every CPU (bf16 is only slow where the CPU lacks bf16 units)."""
+    monkeypatch.setenv("SPECSERVE_TRAIN_PRECISION", request.param)
+    common.cpu_bf16_fast.cache_clear()
+    yield request.param
+    common.cpu_bf16_fast.cache_clear()
+
+
+def test_precision_override_picks_the_autocast(precision):
+    assert common.precision("cpu") == ("bf16-autocast" if precision == "bf16" else "fp32")
+    with common.autocast("cpu"):
+        y = torch.randn(4, 8) @ torch.randn(8, 4)
+    assert y.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+
+
+def test_tiny_target_trains_and_resumes(tmp_path, monkeypatch, streams, precision):
     monkeypatch.setattr(common, "RUNS_DIR", tmp_path)
     torch.manual_seed(0)
     before = LlamaLM(TINY)
@@ -44,6 +60,7 @@ def test_tiny_target_trains_and_resumes(tmp_path, monkeypatch, streams):
         m1, t1 = model.losses(w)
     assert m1 < m0 - 0.5 and t1 < t0 - 0.5, (m0, m1, t0, t1)
     assert summary["finished"] and summary["steps"] == 6
+    assert summary["precision"] == ("bf16-autocast" if precision == "bf16" else "fp32")
     # cut the run into three invocations (a session being stopped) and resume: identical weights
     for _ in range(3):
         resumed, s = train_lm(_cfg(tmp_path, name="cut", stop_after_steps=2), *streams)

@@ -6,6 +6,7 @@ is cut and resumed from its checkpoint sees exactly the batches an uncut run wou
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -205,11 +206,42 @@ def steps_for_budget(tokens: int | None, minutes: float | None, tokens_per_step:
     return max(1, tokens // tokens_per_step)
 
 
+@functools.cache
+def cpu_bf16_fast() -> bool:
+    """Whether this CPU multiplies training-sized bf16 matrices clearly (> 1.5x) faster than fp32.
+
+    AMX / AVX512-BF16 CPUs do (~4x at 4096x512x2048); AVX2-only CPUs run bf16 far slower. Training
+    matmuls are compute-bound, so this is not the server's decode probe (a 1-row product, where bf16
+    can lose even on AMX). SPECSERVE_TRAIN_PRECISION=fp32|bf16 overrides it.
+    """
+    forced = os.environ.get("SPECSERVE_TRAIN_PRECISION", "auto")
+    if forced in ("fp32", "bf16"):
+        return forced == "bf16"
+    a, w = torch.randn(1024, 512), torch.randn(512, 1024)
+
+    def seconds(x: torch.Tensor, y: torch.Tensor) -> float:
+        x @ y
+        t = time.perf_counter()
+        for _ in range(5):
+            x @ y
+        return time.perf_counter() - t
+    ratio = seconds(a, w) / seconds(a.bfloat16(), w.bfloat16())
+    print(f"[training] CPU bf16 matmul speed vs fp32: {ratio:.2f}x -> {'bf16 autocast' if ratio > 1.5 else 'fp32'}",
+          flush=True)
+    return ratio > 1.5
+
+
+def precision(device_type: str) -> str:
+    """What autocast() trains in on this device: "bf16-autocast" or "fp32" (recorded in run summaries)."""
+    return "bf16-autocast" if device_type == "cuda" or (device_type == "cpu" and cpu_bf16_fast()) else "fp32"
+
+
 def autocast(device_type: str):
-    """bf16 autocast on CUDA; plain fp32 on CPU (these CPUs have no bf16 units: bf16 matmuls run ~25x slower)."""
-    if device_type != "cuda":
+    """bf16 autocast (fp32 master weights) on CUDA and on CPUs with fast bf16 units; plain fp32 elsewhere
+    (AVX2-only CPUs have no bf16 units: their bf16 matmuls run ~25x slower)."""
+    if precision(device_type) == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
 def setup_torch(threads: int, seed: int) -> None:

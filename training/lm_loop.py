@@ -46,7 +46,7 @@ class LMTrainConfig:
     ckpt_every_s: float = 300.0
     log_every: int = 10
     fresh: bool = False
-    device: str = "cpu"                # "cuda" when a GPU is lent: bf16 autocast there, fp32 on CPU
+    device: str = "cpu"                # bf16 autocast on CUDA and on CPUs with fast bf16 (common.precision)
     compile: bool = False              # torch.compile the training loss (+14 % tokens/s for the target on 2 cores)
     init_from: Path | None = None      # start a new stage from these weights (run ckpt.pt or exported dir)
 
@@ -164,14 +164,17 @@ def train_lm(cfg: LMTrainConfig, train_stream=None, heldout_stream=None) -> tupl
     final = evaluate(model, common.eval_windows(heldout_stream, cfg.eval_seq_len, cfg.final_eval_windows))
     summary = {"finished": True, "params": n_params, "tokens": st.tokens, "steps": st.step,
                "epochs": st.step / src.steps_per_epoch, "train_seconds": round(st.train_seconds),
-               "tok_per_s": round(st.tokens / max(st.train_seconds, 1e-9)), **final}
+               "tok_per_s": round(st.tokens / max(st.train_seconds, 1e-9)), "precision": common.precision(cfg.device),
+               **final}
     log(dict(summary, kind="final"), f"[{cfg.name}] FINAL {summary}")
     if cfg.out_dir is not None:
         info = {k: summary[k] for k in ("tokens", "epochs", "heldout_loss") if k in summary}
-        info.update({"lr": cfg.lr, "batch": [cfg.batch_size, cfg.seq_len], "seed": cfg.seed})
+        info.update({"lr": cfg.lr, "batch": [cfg.batch_size, cfg.seq_len], "seed": cfg.seed,
+                     "precision": summary["precision"]})
         if cfg.init_from:                # cumulative over stages, with each stage listed
             stages = prior.get("stages") or [{"tokens": prior["tokens"], "epochs": prior["epochs"]}]
-            info["stages"] = stages + [{"tokens": summary["tokens"], "epochs": summary["epochs"], "lr": cfg.lr}]
+            info["stages"] = stages + [{"tokens": summary["tokens"], "epochs": summary["epochs"], "lr": cfg.lr,
+                                        "precision": summary["precision"]}]
             info["tokens"] = prior["tokens"] + summary["tokens"]
             info["epochs"] = prior["epochs"] + summary["epochs"]
         export_llama(model.cpu(), cfg.out_dir, mtp_loss_weight=cfg.mtp_weight if cfg.spec.num_nextn_predict_layers else None,
@@ -223,7 +226,8 @@ def add_common_args(ap: argparse.ArgumentParser, defaults: LMTrainConfig) -> Non
     ap.add_argument("--stop-after-minutes", type=float, default=None, help="hard stop for this invocation")
     ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
     ap.add_argument("--final-eval-windows", type=int, default=None)
-    ap.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16 autocast)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda; bf16 autocast on cuda and on CPUs with fast bf16 "
+                    "(probed; SPECSERVE_TRAIN_PRECISION=fp32|bf16 forces it), else fp32")
     ap.add_argument("--compile", action="store_true", help="torch.compile the training step (first step ~2 min)")
     ap.add_argument("--init-from", type=Path, default=None,
                     help="start a new training stage (own --name, fresh optimizer and schedule) from a run's "

@@ -183,7 +183,7 @@ def main(argv=None):
     ap.add_argument("--ckpt-every-s", type=float, default=300.0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--fresh", action="store_true")
-    ap.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16 autocast)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda; bf16 autocast where common.precision says so")
     train(ap.parse_args(argv))
 
 

@@ -25,11 +25,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] -> [..., dim]; normalised over the last dimension."""
         if x.dtype == torch.float32:
-            # Same maths as the branch below when no casts are involved, in one call instead of six.
+            # HF's x * rsqrt(mean(x^2) + eps) * weight with no casts involved, in one call instead of four.
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # HF: normalise in fp32, cast back, then multiply by the weight in the activation dtype.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
 class GatedMLP(nn.Module):

@@ -1,6 +1,6 @@
-"""Linear: nn.Linear that runs CPU fp32 matmuls through oneDNN with a pre-reordered ("packed") weight.
+"""Linear: nn.Linear that runs CPU fp32/bf16 matmuls through oneDNN with a pre-reordered ("packed") weight.
 
-Why, measured on the 2-core dev box (1 thread, best of N, the 33 matmuls of a 30M Llama, fp32):
+Why, measured on an AVX2-only 2-core dev box (1 thread, best of N, the 33 matmuls of a 30M Llama, fp32):
     rows M                          1        2        5       16       64      256
     F.linear (MKL sgemm/sgemv)    21-24    48       60       71      161      453   ms
     oneDNN, packed weight         25-30    30       36       52      121      326   ms
@@ -10,13 +10,23 @@ MKL re-packs the weight on every gemm call, so a 5-token verify cost 1.5x a 1-to
 the weight packed once it costs ~1.2x. MKL also picks different kernels for M = 1, 2-3 and >= 4,
 so one token's row differed by ~1e-5 between a decode and a verify step; the packed oneDNN kernel
 gives bit-identical rows for every M (tests/test_models_hf_equivalence.py), so greedy decoding with
-and without speculation sees the same numbers. Price: the packed copy doubles weight memory (CPU
-fp32 only; bf16 packing needs AVX512/AVX-NE-CONVERT, which the dev box lacks).
+and without speculation sees the same numbers. Price: the packed copy doubles weight memory.
 
 Packing happens once, after the weights are final (the loader calls pack_linears). The packed
 copy is a snapshot: after editing weights in place, call pack_linears again. Calls with grad
-enabled, and inputs that are not CPU fp32 (a model moved to CUDA or cast to bf16), use F.linear on
-the live weights; the engine runs under torch.inference_mode(), which takes the packed path.
+enabled, and inputs of another dtype or device than the packed copy (a model moved to CUDA), use
+F.linear on the live weights; the engine runs under torch.inference_mode(), which takes the packed path.
+
+bf16 (CPUs with AMX / AVX512-BF16; measured on such a 2-core Xeon, 2 threads, the 5 linears of one
+layer of the embedded target incl. lm_head, ms):
+    rows M                          1        5       16       64      256
+    fp32, packed                  0.92     0.96     1.52     4.64    14.6
+    bf16, F.linear                1.32     0.95     1.06     1.99     4.41
+    bf16, packed                  0.66     0.65     0.75     1.33     3.53
+oneDNN's bf16 kernel switches blocking above 32-36 rows, after which a row's result depends on the
+rows around it (1 bf16 ulp); in blocks of at most BF16_ROW_BLOCK rows every row is bit-identical to
+the same row computed alone, so bf16 runs in such blocks (256 rows: 5.5 ms instead of 3.5 — still
+2.7x faster than fp32) and keeps the property greedy speculation relies on.
 """
 from __future__ import annotations
 
@@ -33,26 +43,35 @@ ONEDNN_PACKING = (torch.backends.mkldnn.is_available()
                   and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+BF16_ROW_BLOCK = 32
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None     # opaque oneDNN copy of weight [out, in]; None = use F.linear
 
     def pack(self) -> None:
         weight = self.weight
         self.packed = None
-        if ONEDNN_PACKING and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        if ONEDNN_PACKING and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES:
             try:
                 with torch.no_grad():
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             except RuntimeError as exc:  # an oneDNN build without this CPU's kernels: stay on F.linear
-                logger.warning("oneDNN weight packing unavailable (%s); using F.linear", exc)
+                logger.warning("oneDNN %s weight packing unavailable (%s); using F.linear", weight.dtype, exc)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
         # The packed op has no autograd: with grad enabled (training) use the live weights.
-        if (self.packed is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+        if (self.packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu"
                 and not torch.is_grad_enabled()):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if x.dtype == torch.bfloat16 and x.shape[0] > BF16_ROW_BLOCK:
+                return torch.cat([self._packed(part) for part in x.split(BF16_ROW_BLOCK)])
+            return self._packed(x)
         return F.linear(x, self.weight, self.bias)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def pack_linears(module: nn.Module) -> int:
