@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from server.engine.block_manager import BlockManager
+from server.engine.kv_cache import cache_dtype
 from server.models.attention import AttentionMetadata, build_attention_metadata
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,12 @@ class DraftKVCache:
 def mirror_target_blocks(target_num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
                          head_dim: int, dtype: torch.dtype, device: torch.device | str, name: str
                          ) -> DraftKVCache:
-    """A drafter cache with the target's token capacity (see the module docstring), logged."""
-    cache = DraftKVCache.allocate(num_layers, num_kv_heads, head_dim, target_num_blocks, block_size, dtype, device)
-    size = DraftKVCache.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype) * target_num_blocks
+    """A drafter cache with the target's token capacity (see the module docstring), logged.
+    dtype: the drafter's model dtype (its KV dtype is kv_cache.cache_dtype of it)."""
+    cache = DraftKVCache.allocate(num_layers, num_kv_heads, head_dim, target_num_blocks, block_size,
+                                  cache_dtype(dtype, device), device)
+    size = DraftKVCache.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size,
+                                        cache.caches[0][0].dtype) * target_num_blocks
     log.info("%s: own KV cache of %d blocks x %d tokens, %d layer(s), %.1f MiB", name, target_num_blocks,
              block_size, num_layers, size / 2**20)
     return cache

@@ -98,7 +98,9 @@ class HiddenStateDrafter:
         self.cache = cache
         self.n = head.num_layers
         self.device = cache.device
-        self.dtype = cache.caches[0][0].dtype
+        # activation dtype (the KV cache may be wider: kv_cache.cache_dtype)
+        params = [p for p in getattr(head, "parameters", list)() if p.is_floating_point()]
+        self.dtype = params[0].dtype if params else cache.caches[0][0].dtype
         self._seqs: dict[str, _HeadSeq] = {}
 
     # -- observe: catch up on the target's states ---------------------------------------------------

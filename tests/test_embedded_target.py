@@ -98,3 +98,24 @@ def test_plain_copy_for_other_servers_drops_only_the_mtp_layer(tmp_path):
     assert (out / "tokenizer.json").exists()
     _, info = LlamaForCausalLM.from_pretrained(str(out), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_bf16_family_every_method_keeps_greedy_text_in_one_batch(prompts):
+    """What `make serve` runs on a CPU with bf16 units: bf16 weights (packed, row-stable) with fp32 KV and
+    attention. Every speculator, mixed in one batch, emits exactly what plain bf16 decoding emits."""
+    from server.models.linear import Linear, pack_linears
+    if pack_linears(Linear(64, 64).to(torch.bfloat16)) == 0:
+        pytest.skip("this CPU's oneDNN has no packed bf16 kernel: bf16 rows may depend on the batch here")
+    eng = OfflineEngine.from_config(EngineConfig(dtype="bfloat16", device="cpu", num_threads=1,
+                                                 kv_cache_memory_gb=0.05, seed=0))
+    assert eng.engine.runner.kv_caches[0][0].dtype == torch.float32
+    methods = ["none", "ngram", "draft", "eagle3", "mtp"]
+    assert set(methods[1:]) <= set(eng.engine.spec.speculators)
+    plain = _greedy(eng, prompts, SpecParams())
+    batch = [p for p in prompts for _ in methods]
+    specs = [SpecParams() if m == "none" else SpecParams(method=m, num_speculative_tokens=3)
+             for _ in prompts for m in methods]
+    outs = _greedy(eng, batch, specs)
+    for i, out in enumerate(outs):
+        assert out.token_ids == plain[i // len(methods)].token_ids, specs[i]
+    assert all(o.spec_stats.num_accepted_tokens > 0 for o, s in zip(outs, specs) if s.method in ("draft", "eagle3", "mtp"))

@@ -13,7 +13,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def make_engine(model_dir, **kw) -> OfflineEngine:
-    cfg = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", num_threads=1,
+    cfg = EngineConfig(model=str(model_dir), dtype=kw.pop("dtype", "float32"), device="cpu", num_threads=1,
                        kv_cache_memory_gb=kw.pop("kv_gb", 0.02), **kw)
     return OfflineEngine.from_config(cfg)
 
@@ -146,3 +146,22 @@ def test_prompt_longer_than_budget_is_chunked_with_same_output(tiny_model_dir, p
     a = plain(chunked, [p], max_tokens=20)[0]
     b = plain(whole, [p], max_tokens=20)[0]
     assert a.token_ids == b.token_ids
+
+
+def test_bf16_speculation_keeps_greedy_text(tiny_model_dir, prompts):
+    """bf16 on CPU: the packed bf16 Linear gives each row the same bits whatever the batch (blocks of 32
+    rows), so verifying 8 requests x up to 8 tokens (64 rows) emits what plain decoding emits."""
+    import torch
+
+    from server.models.linear import Linear, pack_linears
+    if pack_linears(Linear(64, 64).to(torch.bfloat16)) == 0:
+        pytest.skip("this CPU's oneDNN has no packed bf16 kernel: bf16 rows may depend on the batch here")
+    eng = make_engine(tiny_model_dir, dtype="bfloat16")
+    refs = [plain(eng, [p], max_tokens=30)[0] for p in prompts]
+    specs = [SpecParams("ngram", 7), SpecParams("prediction", 7), SpecParams("ngram", 3), SpecParams("none", 0)] * 2
+    batch_prompts = [prompts[i % len(prompts)] for i in range(8)]
+    preds = [refs[i % len(prompts)].token_ids if s.method == "prediction" else None for i, s in enumerate(specs)]
+    outs = eng.generate(batch_prompts, SamplingParams(**GREEDY, max_tokens=30), specs, preds)
+    for i, out in enumerate(outs):
+        assert out.token_ids == refs[i % len(prompts)].token_ids, f"request {i} ({specs[i]})"
+    assert sum(o.spec_stats.num_accepted_tokens for o in outs) > 0

@@ -10,7 +10,7 @@ import torch
 from server.config import EngineConfig
 from server.engine.block_manager import BlockManager
 from server.engine.engine import Engine
-from server.engine.kv_cache import kv_cache_bytes_per_block
+from server.engine.kv_cache import cache_dtype, kv_cache_bytes_per_block
 from server.engine.model_runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.spec_dispatch import SpecDispatcher
@@ -113,14 +113,15 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     budget = int(cfg.kv_cache_memory_gb * (1 << 30))
     # One budget for everyone: each target block comes with one block in every drafter's own cache.
-    target_bpb = kv_cache_bytes_per_block(mcfg, cfg.block_size, dtype)
-    drafter_bpb = drafter_bytes_per_block(cfg, model_dir, mcfg, cfg.block_size, dtype)
+    kv_dtype = cache_dtype(dtype, device)
+    target_bpb = kv_cache_bytes_per_block(mcfg, cfg.block_size, kv_dtype)
+    drafter_bpb = drafter_bytes_per_block(cfg, model_dir, mcfg, cfg.block_size, kv_dtype)
     num_blocks = budget // (target_bpb + drafter_bpb)
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-memory-gb {cfg.kv_cache_memory_gb} holds no KV block "
                          f"({target_bpb + drafter_bpb} bytes each); raise it")
-    log.info("model %s: %s, %s on %s, %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
-             name, mcfg.architecture, dtype, device, num_blocks, cfg.block_size,
+    log.info("model %s: %s, %s on %s (KV cache %s), %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
+             name, mcfg.architecture, dtype, device, kv_dtype, num_blocks, cfg.block_size,
              cfg.kv_cache_memory_gb, max_len)
     runner = ModelRunner(model, mcfg, num_blocks, cfg.block_size, dtype, device)
     bm = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -177,7 +178,8 @@ def resolve_drafters(cfg: EngineConfig, model_dir: Path | None) -> tuple[str | N
 
 def drafter_bytes_per_block(cfg: EngineConfig, model_dir: Path | None, mcfg, block_size: int,
                             dtype: torch.dtype) -> int:
-    """KV bytes the drafters hold per target block: a draft model's layers, one layer per head layer."""
+    """KV bytes the drafters hold per target block: a draft model's layers, one layer per head layer.
+    dtype: the KV cache dtype (kv_cache.cache_dtype)."""
     from server.models.config import load_config
     per_layer = kv_cache_bytes_per_block(mcfg, block_size, dtype) // mcfg.num_hidden_layers
     draft_dir, eagle3_dir = resolve_drafters(cfg, model_dir)

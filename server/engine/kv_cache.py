@@ -11,6 +11,19 @@ import torch
 from server.models.config import ModelConfig
 
 
+def cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The KV cache (and attention) dtype of a model that runs in `dtype`.
+
+    On CPU a bf16/fp16 model still keeps K/V and attends in fp32: CPU SDPA's reduced-precision kernels
+    round each query row differently depending on how many keys and rows are in the call (padding of a
+    batch, drafts in a verify step), so a token's attention would change with speculation and flip
+    greedy choices (tests/test_engine_speculative.py). In fp32 the difference stays at ~1e-7, the same
+    as an fp32 model. Costs 2x KV memory against a bf16 cache; the matmuls keep their bf16 speed.
+    CUDA keeps the model dtype (flash-attn needs it).
+    """
+    return torch.float32 if torch.device(device).type == "cpu" else dtype
+
+
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block costs across all layers, K and V. Example: 8 layers, 2 kv heads x 64, block 16,
     fp32 -> 2 * 8 * 16 * 2 * 64 * 4 = 131072."""
@@ -27,7 +40,8 @@ def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim] in `dtype`
+    (for a model: cache_dtype(model dtype, device)).
 
     Zero-filled, not empty: the SDPA path gathers whole blocks and masks the unused slots, and a
     masked NaN still poisons a softmax (NaN * 0 = NaN). Every value written later is finite.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.kv_cache import allocate_kv_cache
+from server.engine.kv_cache import allocate_kv_cache, cache_dtype
 from server.engine.scheduler import ScheduledSeq
 from server.models.attention import AttentionMetadata, build_attention_metadata
 
@@ -46,7 +46,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype, device)
+        self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, cache_dtype(dtype, device), device)
         self.aux_layer_ids: tuple[int, ...] = ()    # set by the EAGLE-3 speculator when loaded
 
     def prepare(self, seqs: list[ScheduledSeq], drafts: list[list[int]]) -> StepBatch:

@@ -85,13 +85,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     k_cache, v_cache = kv_cache
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    out_dtype = q.dtype
+    if k_cache.dtype != q.dtype:     # a bf16 model on CPU attends in fp32 (server/engine/kv_cache.cache_dtype)
+        q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)             # [num_slots, kv_heads, head_dim]
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     k_flat.index_copy_(0, attn.slot_mapping, k)
     v_flat.index_copy_(0, attn.slot_mapping, v)
     if attn.backend == "flash":
         return _flash(q, k_cache, v_cache, attn, scale, window)
-    return _sdpa(q, k, v, k_cache, v_cache, attn, scale, window)
+    return _sdpa(q, k, v, k_cache, v_cache, attn, scale, window).to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------- flash-attn
