@@ -80,7 +80,7 @@ def main(argv=None):
     if not args.smoke and not args.skip_tokenizer_check:
         check_tokenizer()
 
-    stage1 = common.RUNS_DIR / (prefix + "target-stage1")          # stage 1's export, input of stage 2
+    stage1 = common.RUNS_DIR / ("smoke" if args.smoke else "") / "target-stage1"   # stage 1's export -> stage 2
     outs = {"target": stage1, "target-2": models / "target", "draft": models / "draft", "eagle3": models / "eagle3"}
 
     def common_args(stage: str) -> list[str]:
