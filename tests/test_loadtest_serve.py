@@ -61,7 +61,7 @@ def test_baselines_hf_and_ours_side_by_side(tiny_model_dir, server_url, tmp_path
     with exactly max_tokens new tokens each, and the ours/HF ratio table built from them."""
     from loadtest import bench_baselines as bb
     (tmp_path / "target").symlink_to(tiny_model_dir)
-    hf = bb.hf_rows(tmp_path, ["code_completion"], 2, 8, 3)
+    hf = bb.hf_rows(tmp_path, ["code_completion"], 2, 8, 3, "float32")
     assert [r["method"] for r in hf] == ["plain", "prompt_lookup"]      # no draft dir: no assisted row
     assert all(r["output_tokens"] == 16 and r["tok_per_s"] > 0 for r in hf)
     ours = bb.our_rows(server_url, ["code_completion"], 2, 8, 3, ["ngram"])
@@ -72,7 +72,7 @@ def test_baselines_hf_and_ours_side_by_side(tiny_model_dir, server_url, tmp_path
     ours_tps = {r["method"]: r["tok_per_s"] for r in ours}
     assert by_mode["plain"]["ratio_same"] == pytest.approx(ours_tps["none"] / hf[0]["tok_per_s"])
     assert by_mode["plain"]["ratio_best"] == pytest.approx(max(ours_tps.values()) / hf[0]["tok_per_s"])
-    offline = bb.offline_rows(tmp_path, ["code_completion"], 2, 8, 1)
+    offline = bb.offline_rows(tmp_path, ["code_completion"], 2, 8, 1, "float32")
     assert [(r["who"], r["method"], r["output_tokens"]) for r in offline] == [("ours-offline", "none", 16)]
     assert bb.ratios(hf + ours + offline) == table                       # offline rows are not HF comparisons
     (line,) = bb.serving_cost(ours + offline)
