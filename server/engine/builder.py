@@ -46,7 +46,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     The probe times a decode-sized (1 row) and a batch-sized (32 rows) product: on CPUs without native
     bf16 (AVX2-only, e.g. the AMD dev box) bf16 can win the memory-bound single row yet be ~50x slower
     once a batch makes it compute-bound, so bf16 must win both. On an AMX Xeon the packed bf16 path wins
-    both (~1.4x, ~2x) while a plain bf16 matmul loses the single row (0.7x), hence the model's Linear.
+    both (~1.9-2.3x at 1 row, ~4x at 32) while a plain bf16 matmul loses the single row (0.7x), hence
+    the model's Linear.
     """
     if name != "auto":
         return getattr(torch, name)
