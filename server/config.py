@@ -19,7 +19,7 @@ SPECULATION_POLICIES = ("goodput", "fixed")
 class EngineConfig:
     model: str | None = None               # HF-layout directory; None = the default (embedded) model
     served_model_name: str | None = None   # name in /v1/models; default: the model dir's basename
-    dtype: str = "auto"                    # auto = bf16 where bf16 matmuls are fast (CUDA, AVX512-BF16/AMX), else fp32
+    dtype: str = "auto"                    # auto = bf16 on CUDA, fp32 on CPU (builder.pick_dtype says why)
     device: str = "auto"                   # auto = cuda if available else cpu
     block_size: int = 16                   # tokens per KV block
     kv_cache_memory_gb: float = 1.0        # KV cache budget; number of blocks = budget // bytes per block

@@ -40,14 +40,17 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA; on CPU bf16 only where a probe through the model's own Linear (oneDNN-packed
-    weights, server/models/linear.py) shows it faster than fp32.
+    """auto: bf16 on CUDA, fp32 on CPU. On CPU a probe through the model's own Linear (oneDNN-packed
+    weights, server/models/linear.py) says in the log whether `--dtype bfloat16` would be faster.
 
-    The probe times a decode-sized (1 row) and a batch-sized (32 rows) product: on CPUs without native
-    bf16 (AVX2-only, e.g. the AMD dev box) bf16 can win the memory-bound single row yet be ~50x slower
-    once a batch makes it compute-bound, so bf16 must win both. On an AMX Xeon the packed bf16 path wins
-    both (~1.9-2.3x at 1 row, ~4x at 32) while a plain bf16 matmul loses the single row (0.7x), hence
-    the model's Linear.
+    Why not bf16 on CPU even where it is faster (AMX Xeon: ~1.9-2.3x at 1 row, ~4x at 32): greedy output
+    would no longer be exactly independent of batching. With bf16 weights (linears row-stable, attention
+    in fp32, kv_cache.cache_dtype) the attention output still differs at the 1e-7 level between a token
+    decoded alone, among drafts or in a padded batch, and its cast back to bf16 turns that into a 1-ulp
+    change often enough to flip a near-tie now and then (measured: 1 of 8 code-editing prompts diverged
+    at token 54 between batch 8 and batch 1). fp32 keeps the project's promise that speculation never
+    changes greedy output; bf16 is an explicit choice. On CPUs without native bf16 (AVX2) the probe shows
+    bf16 ~50x slower once a batch makes it compute-bound.
     """
     if name != "auto":
         return getattr(torch, name)
@@ -70,10 +73,11 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
                 layers[dt](x)
         return time.perf_counter() - t
     ratios = [bench(rows, torch.float32) / bench(rows, torch.bfloat16) for rows in (1, 32)]
-    dtype = torch.bfloat16 if min(ratios) > 1.25 else torch.float32
-    log.info("dtype auto on CPU: bf16 speed vs fp32 %.2fx (1 row), %.2fx (32 rows) -> %s",
-             ratios[0], ratios[1], dtype)
-    return dtype
+    hint = (" (--dtype bfloat16 would be faster; greedy output may then depend on batching in rare near-ties)"
+            if min(ratios) > 1.25 else "")
+    log.info("dtype auto on CPU: fp32; bf16 speed vs fp32 here %.2fx (1 row), %.2fx (32 rows)%s",
+             ratios[0], ratios[1], hint)
+    return torch.float32
 
 
 def resolve_model_dir(cfg: EngineConfig) -> tuple[Path | None, Path]:

@@ -17,8 +17,10 @@ def cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     On CPU a bf16/fp16 model still keeps K/V and attends in fp32: CPU SDPA's reduced-precision kernels
     round each query row differently depending on how many keys and rows are in the call (padding of a
     batch, drafts in a verify step), so a token's attention would change with speculation and flip
-    greedy choices (tests/test_engine_speculative.py). In fp32 the difference stays at ~1e-7, the same
-    as an fp32 model. Costs 2x KV memory against a bf16 cache; the matmuls keep their bf16 speed.
+    greedy choices often (tests/test_engine_speculative.py). In fp32 the difference stays at ~1e-7; the
+    cast of the attention output back to bf16 still flips a rare near-tie, which is why `--dtype auto`
+    stays fp32 on CPU (builder.pick_dtype). Costs 2x KV memory against a bf16 cache; the matmuls keep
+    their bf16 speed.
     CUDA keeps the model dtype (flash-attn needs it).
     """
     return torch.float32 if torch.device(device).type == "cpu" else dtype
