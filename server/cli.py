@@ -50,8 +50,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "Default: the model directory's name")
     g.add_argument("--dtype", default=e.dtype, choices=DTYPES,
                    help="weight and activation dtype; auto = bf16 on CUDA, float32 on CPU (exact greedy "
-                        "equivalence; bfloat16 is faster on AMX/AVX512-BF16 CPUs, and the start-up log says "
-                        "so, but greedy output may then depend on batching in rare near-ties) "
+                        "equivalence; bfloat16 is faster on AMX/AVX512-BF16 CPUs, but greedy output may then "
+                        "depend on batching in rare near-ties) "
                         "(default: %(default)s)")
     g.add_argument("--device", default=e.device, help="auto, cpu, cuda or cuda:N; auto = cuda if available "
                                                      "(default: %(default)s)")

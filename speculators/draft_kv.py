@@ -104,10 +104,9 @@ def mirror_target_blocks(target_num_blocks: int, block_size: int, num_layers: in
                          ) -> DraftKVCache:
     """A drafter cache with the target's token capacity (see the module docstring), logged.
     dtype: the drafter's model dtype (its KV dtype is kv_cache.cache_dtype of it)."""
-    cache = DraftKVCache.allocate(num_layers, num_kv_heads, head_dim, target_num_blocks, block_size,
-                                  cache_dtype(dtype, device), device)
-    size = DraftKVCache.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size,
-                                        cache.caches[0][0].dtype) * target_num_blocks
+    kv_dtype = cache_dtype(dtype, device)
+    cache = DraftKVCache.allocate(num_layers, num_kv_heads, head_dim, target_num_blocks, block_size, kv_dtype, device)
+    size = DraftKVCache.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, kv_dtype) * target_num_blocks
     log.info("%s: own KV cache of %d blocks x %d tokens, %d layer(s), %.1f MiB", name, target_num_blocks,
              block_size, num_layers, size / 2**20)
     return cache

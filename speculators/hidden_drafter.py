@@ -45,6 +45,7 @@ from speculators.draft_sampling import append_drafts, draft_generator
 
 
 class DraftHead(Protocol):
+    """An nn.Module (its parameters' dtype is the activation dtype)."""
     num_layers: int
     hidden_size: int
 
@@ -98,9 +99,7 @@ class HiddenStateDrafter:
         self.cache = cache
         self.n = head.num_layers
         self.device = cache.device
-        # activation dtype (the KV cache may be wider: kv_cache.cache_dtype)
-        params = [p for p in getattr(head, "parameters", list)() if p.is_floating_point()]
-        self.dtype = params[0].dtype if params else cache.caches[0][0].dtype
+        self.dtype = next(head.parameters()).dtype   # activations; the KV cache may be wider (cache_dtype)
         self._seqs: dict[str, _HeadSeq] = {}
 
     # -- observe: catch up on the target's states ---------------------------------------------------

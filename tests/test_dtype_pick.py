@@ -1,5 +1,5 @@
-"""--dtype auto: an explicit dtype passes through; on CPU auto is fp32 (exact greedy equivalence) and its
-speed probe leaves the RNG alone."""
+"""--dtype auto: an explicit dtype passes through; on CPU auto is fp32 (exact greedy equivalence) and
+leaves the RNG alone."""
 import torch
 
 from server.engine.builder import pick_dtype

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -16,7 +15,6 @@ from server.engine.scheduler import Scheduler
 from server.engine.spec_dispatch import SpecDispatcher
 from server.engine.spec_policy import calibrated_policy
 from server.engine.tokenizer import Tokenizer
-from server.models.linear import Linear, pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -40,44 +38,19 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA, fp32 on CPU. On CPU a probe through the model's own Linear (oneDNN-packed
-    weights, server/models/linear.py) says in the log whether `--dtype bfloat16` would be faster.
+    """auto: bf16 on CUDA, fp32 on CPU, even on CPUs where bf16 is faster (AMX Xeon: packed bf16 linears
+    ~1.9-2.3x fp32 at 1 row, ~4x at 32; server/models/linear.py).
 
-    Why not bf16 on CPU even where it is faster (AMX Xeon: ~1.9-2.3x at 1 row, ~4x at 32): greedy output
-    would no longer be exactly independent of batching. With bf16 weights (linears row-stable, attention
-    in fp32, kv_cache.cache_dtype) the attention output still differs at the 1e-7 level between a token
-    decoded alone, among drafts or in a padded batch, and its cast back to bf16 turns that into a 1-ulp
-    change often enough to flip a near-tie now and then (measured: 1 of 8 code-editing prompts diverged
-    at token 54 between batch 8 and batch 1). fp32 keeps the project's promise that speculation never
-    changes greedy output; bf16 is an explicit choice. On CPUs without native bf16 (AVX2) the probe shows
-    bf16 ~50x slower once a batch makes it compute-bound.
+    Why: greedy output would no longer be exactly independent of batching. With bf16 weights (linears
+    row-stable, attention in fp32, kv_cache.cache_dtype) the attention output still differs at the 1e-7
+    level between a token decoded alone, among drafts or in a padded batch, and its cast back to bf16
+    turns that into a 1-ulp change often enough to flip a near-tie now and then (measured: 1 of 8
+    code-editing prompts diverged at token 54 between batch 8 and batch 1). fp32 keeps the project's
+    promise that speculation never changes greedy output; `--dtype bfloat16` is an explicit choice.
     """
     if name != "auto":
         return getattr(torch, name)
-    if device.type == "cuda":
-        return torch.bfloat16
-    with torch.random.fork_rng(devices=[]):          # leave the caller's RNG stream alone
-        torch.manual_seed(0)
-        layers = {dt: Linear(1024, 1024, bias=False).to(dt) for dt in (torch.float32, torch.bfloat16)}
-        probes = {rows: torch.randn(rows, 1024) for rows in (1, 32)}
-    for layer in layers.values():
-        pack_linears(layer)
-
-    def bench(rows: int, dt: torch.dtype) -> float:
-        x = probes[rows].to(dt)
-        with torch.inference_mode():
-            for _ in range(2):
-                layers[dt](x)
-            t = time.perf_counter()
-            for _ in range(10):
-                layers[dt](x)
-        return time.perf_counter() - t
-    ratios = [bench(rows, torch.float32) / bench(rows, torch.bfloat16) for rows in (1, 32)]
-    hint = (" (--dtype bfloat16 would be faster; greedy output may then depend on batching in rare near-ties)"
-            if min(ratios) > 1.25 else "")
-    log.info("dtype auto on CPU: fp32; bf16 speed vs fp32 here %.2fx (1 row), %.2fx (32 rows)%s",
-             ratios[0], ratios[1], hint)
-    return torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def resolve_model_dir(cfg: EngineConfig) -> tuple[Path | None, Path]:
