@@ -86,11 +86,12 @@ def main() -> None:
                     help="sampling temperatures for the model-based table (seeded per prompt when > 0)")
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--eagle3", default=None)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the layer stacks (specserve --compile)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     eng = OfflineEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_gb=0.5,
                                                  draft_model=args.draft_model, eagle3=args.eagle3,
-                                                 speculation_policy="fixed"))     # k means k here
+                                                 speculation_policy="fixed", compile=args.compile))  # k means k
     # both before any request: they time forwards on scratch KV blocks
     calibration = calibrated_policy(eng.engine.runner, 64).calibration
     vk = verify_costs(eng, context=256, ks=sorted({1, 2, 4, 8, args.k, *args.ks}))

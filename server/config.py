@@ -34,6 +34,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None         # torch intra-op threads on CPU; None = torch default
+    compile: bool = False                  # torch.compile the layer stacks of target and draft model
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

@@ -108,9 +108,31 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     spec = SpecDispatcher(build_speculators(cfg, runner, tokenizer))
     runner.aux_layer_ids = tuple(sorted({i for sp in spec.speculators.values()
                                          for i in getattr(sp, "aux_layer_ids", ())}))
+    if cfg.compile:
+        compile_models(runner, spec.speculators)
     if cfg.speculation_policy == "goodput":     # timed with the aux taps on, before any request exists
         spec.policy = calibrated_policy(runner, cfg.max_num_seqs)
     return Engine(runner, sched, tokenizer, sampler, spec, max_len), cfg.served_model_name or name
+
+
+def compile_models(runner: ModelRunner, speculators: dict) -> None:
+    """torch.compile the target's (and a draft model's) layer stack and compile the graphs now, before
+    any request exists (server/models/compiled.py)."""
+    import time
+
+    from server.models.compiled import warm_up
+    start = time.perf_counter()
+    models = [(runner.model, runner.kv_caches, runner.aux_layer_ids)]
+    if "draft" in speculators:
+        models.append((speculators["draft"].model, speculators["draft"].cache.caches, ()))
+    try:
+        for model, caches, aux in models:
+            model.enable_compile()
+            warm_up(model, caches, runner.block_size, runner.device, aux)
+    except Exception as exc:   # e.g. no C++ compiler on this machine: say so and how to start anyway
+        raise RuntimeError(f"--compile: torch.compile failed ({type(exc).__name__}: {exc}); "
+                           "start without --compile") from exc
+    log.info("compiled the layer stacks of %d model(s) in %.1f s", len(models), time.perf_counter() - start)
 
 
 def build_speculators(cfg: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer) -> dict:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from server.models.attention import AttentionMetadata, paged_attention
+from server.models.attention import AttentionMetadata
+from server.models.compiled import COMPILE_OPTIONS, attend, forward_context, register_attention
 from server.models.config import ModelConfig
 from server.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from server.models.linear import Linear
@@ -38,6 +39,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.layer_window(layer_idx)
+        self.layer_idx = layer_idx
+        self.attention_handle = register_attention(self)
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
@@ -55,7 +58,7 @@ class LlamaAttention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         qk = apply_rope(qk, *rope)          # q and k rotated together: half the small ops of two calls
         q, k = qk[:, :heads], qk[:, heads:]                             # [n, heads, d], [n, kv_heads, d]
-        out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.window)   # [n, heads, d]
+        out = attend(self, q, k, v, kv_cache, attn)                     # [n, heads, d]
         return self.o_proj(out.reshape(n, heads * d))
 
 
@@ -83,17 +86,38 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
+        self.compiled_stack = None      # torch.compile'd _stack (enable_compile); None = eager
 
     def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata, kv_caches: list[KVCache],
                 aux_layer_ids: tuple[int, ...] = ()) -> ModelOutput:
+        dtype = self.embed_tokens.weight.dtype
+        cos, sin = self.rotary_emb.cos_sin(attn.positions, attn.max_seq_len, dtype)   # once for all layers
+        if self.compiled_stack is None or not torch.is_inference_mode_enabled():
+            hidden, x, aux = self._stack(input_ids, cos, sin, aux_layer_ids, attn, kv_caches)
+        else:
+            if not input_ids.is_inference():   # made outside inference mode (the runner's): one guard set for all
+                input_ids = input_ids.clone()
+            with forward_context(attn, kv_caches):
+                hidden, x, aux = self.compiled_stack(input_ids, cos, sin, aux_layer_ids)
+        return ModelOutput(hidden=hidden, prenorm_hidden=x, aux_hidden=list(aux))
+
+    def _stack(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               aux_layer_ids: tuple[int, ...], attn: AttentionMetadata | None = None,
+               kv_caches: list[KVCache] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Embedding -> layers -> final norm. Compiled, it runs without attn/kv_caches (server/models/compiled.py)."""
         x = self.embed_tokens(input_ids)                                # [num_tokens, hidden]
-        rope = self.rotary_emb.cos_sin(attn.positions, attn.max_seq_len, x.dtype)   # once for all layers
-        aux: dict[int, torch.Tensor] = {}
+        aux: list[torch.Tensor | None] = [None] * len(aux_layer_ids)
         for i, layer in enumerate(self.layers):
-            if i in aux_layer_ids:
-                aux[i] = x          # EAGLE-3 convention: un-normed stream entering layer i (= HF hidden_states[i])
-            x = layer(x, rope, attn, kv_caches[i])
-        return ModelOutput(hidden=self.norm(x), prenorm_hidden=x, aux_hidden=[aux[i] for i in aux_layer_ids])
+            for j, tap in enumerate(aux_layer_ids):
+                if tap == i:        # EAGLE-3 convention: un-normed stream entering layer i (= HF hidden_states[i])
+                    aux[j] = x
+            x = layer(x, (cos, sin), attn, None if kv_caches is None else kv_caches[i])
+        return self.norm(x), x, tuple(aux)
+
+    def enable_compile(self) -> None:
+        """Run the layer stack through torch.compile from now on (see server/models/compiled.py)."""
+        self.compiled_stack = torch.compile(self._stack, dynamic=True, options=COMPILE_OPTIONS)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -134,6 +158,9 @@ class LlamaForCausalLM(nn.Module):
         """-> (final-normed hidden [num_tokens, hidden], aux hidden states, each [num_tokens, hidden])."""
         out = self.forward_states(input_ids, attn, kv_caches, aux_layer_ids)
         return out.hidden, out.aux_hidden
+
+    def enable_compile(self) -> None:
+        self.model.enable_compile()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> [n, vocab] float32 (samplers work in fp32)."""
