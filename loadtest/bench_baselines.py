@@ -65,14 +65,15 @@ def hf_rows(models: Path, sets: list[str], n: int, max_tokens: int, k: int, dtyp
     return rows
 
 
-def offline_rows(models: Path, sets: list[str], n: int, max_tokens: int, threads: int, dtype: str) -> list[dict]:
+def offline_rows(models: Path, sets: list[str], n: int, max_tokens: int, threads: int, dtype: str,
+                 compile_: bool = False) -> list[dict]:
     """Our engine without the server: plain greedy decoding, one prompt at a time, as HF runs."""
     from sampling.params import SamplingParams
     from server.config import EngineConfig
     from server.engine.offline import OfflineEngine
     from speculators.base import SpecParams
     eng = OfflineEngine.from_config(EngineConfig(model=str(models / "target"), dtype=dtype, num_threads=threads,
-                                                 kv_cache_memory_gb=0.25))
+                                                 kv_cache_memory_gb=0.25, compile=compile_))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
     for pset in sets:
@@ -148,13 +149,16 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides, HF and ours")
     ap.add_argument("--methods", default=None, help="our methods besides none (default: all loaded but prediction)")
+    ap.add_argument("--compile", action="store_true", help="ours with --compile (torch.compile'd layer stacks)")
     args = ap.parse_args(argv)
     if not (args.models / "target" / "config.json").is_file():
         raise SystemExit(f"{args.models}/target is missing: train the embedded family first (make train-embedded)")
     torch.set_num_threads(args.threads)
     rows = hf_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.k, args.dtype)
-    rows += offline_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.threads, args.dtype)
+    rows += offline_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.threads, args.dtype,
+                         args.compile)
     server_args = ["--model", str(args.models / "target"), "--dtype", args.dtype, "--num-threads", str(args.threads)]
+    server_args += ["--compile"] if args.compile else []
     for flag, name in (("--draft-model", "draft"), ("--eagle3", "eagle3")):
         if (args.models / name / "config.json").is_file():
             server_args += [flag, str(args.models / name)]
@@ -168,7 +172,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True)
     meta = {"command": "python -m loadtest.bench_baselines " + " ".join(argv or []), "machine": platform.platform(),
             "processor": platform.processor(), "torch": torch.__version__, "threads": args.threads,
-            "dtype": args.dtype}
+            "dtype": args.dtype, "compile": args.compile}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "ratios": table}, indent=2))
     print(f"wrote {out / 'results.json'}")
 

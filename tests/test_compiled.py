@@ -84,3 +84,42 @@ def test_compiled_engine_keeps_greedy_speculation_exact_without_recompiling(comp
     assert [m.token_ids for m in mixed] == refs
     assert mixed[0].spec_stats.num_draft_tokens > 0
     assert eng.engine.scheduler.bm.num_free_blocks == eng.engine.scheduler.bm.num_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rows_do_not_depend_on_batch(dtype):
+    """A token's hidden state has the same bits whether it is decoded alone (1 row), verified first among
+    drafts (5 rows) or in a batch of 8 such verifications (40 rows): what makes greedy speculation exact.
+    Inductor specialises 1-row inputs into a second graph by default; with the embedded target's layer
+    shapes that graph rounded differently in bf16 (0.03 on a hidden value; greedy n-gram output changed),
+    so the stack is traced with an unbacked token count: one graph for every size."""
+    from server.engine.kv_cache import cache_dtype
+    from server.models.config import ModelConfig
+    from server.models.linear import Linear, pack_linears
+    from server.models.loader import build_random_model
+    if dtype == torch.bfloat16 and pack_linears(Linear(64, 64).to(torch.bfloat16)) == 0:
+        pytest.skip("this CPU's oneDNN has no packed bf16 kernel: bf16 rows may depend on the batch here")
+    cfg = ModelConfig.from_dict(dict(   # the embedded target's layer shapes, 2 layers, small vocabulary
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=512,
+        intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0))
+    model = build_random_model(cfg, seed=0, dtype=dtype)
+    model.enable_compile()
+    kv_dtype = cache_dtype(dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    shape = (32, 16, cfg.num_key_value_heads, cfg.head_dim)
+    base = [(torch.randn(shape, generator=g).to(kv_dtype), torch.randn(shape, generator=g).to(kv_dtype))
+            for _ in range(cfg.num_hidden_layers)]
+
+    def first_row(num_seqs: int, tokens: list[int]) -> torch.Tensor:
+        q = len(tokens)
+        attn = build_attention_metadata([q] * num_seqs, [36 + q] * num_seqs,
+                                        [[4 * i + j for j in range(3)] for i in range(num_seqs)], 16,
+                                        torch.device("cpu"))
+        with torch.inference_mode():
+            return model.forward_states(torch.tensor(tokens * num_seqs), attn,
+                                        [(k.clone(), v.clone()) for k, v in base]).hidden[0]
+
+    alone = first_row(1, [9])
+    assert torch.equal(first_row(1, [9, 1, 2, 3, 7]), alone)
+    assert torch.equal(first_row(8, [9, 1, 2, 3, 7]), alone)

@@ -16,8 +16,14 @@ Inductor options (COMPILE_OPTIONS): a C++ wrapper around the kernels and no per-
 asserts; the generated Python wrapper with asserts ran at 0.94-1.25x eager at batch 1, this at 1.31-1.48x
 (bf16, 26.7M random Llama, 2-core AMX Xeon, interleaved rounds).
 
-Shapes: one graph for 1-token steps and one for every other token count (dynamic=True; torch
-specialises size 1). Warm both at start-up (ModelRunner.warm_up) so no request pays the compile.
+Shapes: ONE graph for every token count. The token dimension is marked unbacked, because torch otherwise
+specialises 1-token inputs into a graph of their own, and in bf16 that graph rounded differently from the
+general one (a decoded token's hidden state differed from the same token verified among drafts by 0.03, and
+greedy n-gram output changed; tests/test_compiled.py). ModelRunner start-up warms it (builder.compile_models)
+so no request pays the compile.
+
+Still not exact in bf16 (as without --compile, builder.pick_dtype): the generated kernels keep bf16
+intermediates in fp32, so compiled and eager bf16 differ slightly; rows stay batch-independent.
 """
 from __future__ import annotations
 
@@ -77,8 +83,8 @@ def attend(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.T
 @torch.inference_mode()
 def warm_up(model: torch.nn.Module, kv_caches: list, block_size: int, device: torch.device,
             aux_layer_ids: tuple[int, ...] = ()) -> None:
-    """Compile both graphs (1 token; several tokens) before serving. Writes K/V into block 0 of
-    `kv_caches`: start-up only, before any request owns a block (like ModelRunner.time_verify_step)."""
+    """Compile the graph before serving (a 1-token and a 2-token step: both must use it). Writes K/V into
+    block 0 of `kv_caches`: start-up only, before any request owns a block (see ModelRunner.time_verify_step)."""
     from server.models.attention import build_attention_metadata
     for query_len in (1, 2):
         attn = build_attention_metadata([query_len], [block_size], [[0]], block_size, device)

@@ -97,6 +97,8 @@ class LlamaModel(nn.Module):
         else:
             if not input_ids.is_inference():   # made outside inference mode (the runner's): one guard set for all
                 input_ids = input_ids.clone()
+            for t in (input_ids, cos, sin):    # one graph for every token count, 1 included (compiled.py)
+                torch._dynamo.decorators.mark_unbacked(t, 0)
             with forward_context(attn, kv_caches):
                 hidden, x, aux = self.compiled_stack(input_ids, cos, sin, aux_layer_ids)
         return ModelOutput(hidden=hidden, prenorm_hidden=x, aux_hidden=list(aux))
