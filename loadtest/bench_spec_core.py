@@ -130,12 +130,16 @@ def model_based(eng: OfflineEngine, prompts, args, vk: dict[int, float],
         print("model-based speculators: none loaded (serve the embedded family or pass flags)")
         return
     print("predicted = E[tokens/step] / (k*c + v(k)); c = one draft step (propose time / k) / one plain step")
-    print(f"{'T':>4} {'method':10} {'k':>3} {'tok/s':>8} {'vs none':>8} {'accept len':>10} {'c':>6} {'predicted':>9} {'meas/pred':>9}")
+    print("vs none: against plain decoding of the same prompts measured just before the row (this VM's speed")
+    print("drifts by tens of percent within minutes, so each row gets its own baseline)")
+    print(f"{'T':>4} {'method':10} {'k':>3} {'tok/s':>8} {'none':>7} {'vs none':>8} {'accept len':>10} {'c':>6} "
+          f"{'predicted':>9} {'meas/pred':>9}")
     for temp in args.temperatures:
         base, base_outs = run(eng, prompts, SpecParams(), args.new_tokens, temperature=temp)   # 1/base = a step
-        print(f"{temp:4.1f} {'none':10} {0:3d} {base:8.1f} {1.0:8.2f}")
+        print(f"{temp:4.1f} {'none':10} {0:3d} {base:8.1f} {base:7.1f} {1.0:8.2f}")
         for m in methods:
             for k in args.ks:
+                base, _ = run(eng, prompts, SpecParams(), args.new_tokens, temperature=temp)
                 timer = ProposeTimer(eng.engine.spec.speculators[m])
                 tps, outs = run(eng, prompts, SpecParams(m, k), args.new_tokens, temperature=temp)
                 c = timer.restore() / (1.0 / base)
@@ -143,17 +147,18 @@ def model_based(eng: OfflineEngine, prompts, args, vk: dict[int, float],
                                         [o.token_ids for o in base_outs] else "  DIFFERS FROM none")
                 tau = mean_acceptance(outs)
                 pred = tau / (k * c + vk[k])
-                print(f"{temp:4.1f} {m:10} {k:3d} {tps:8.1f} {tps / base:8.2f} {tau:10.2f} {c:6.3f} "
+                print(f"{temp:4.1f} {m:10} {k:3d} {tps:8.1f} {base:7.1f} {tps / base:8.2f} {tau:10.2f} {c:6.3f} "
                       f"{pred:9.2f} {tps / base / pred:9.2f}{same}", flush=True)
             # --speculation-policy goodput: k as a ceiling, cut per step (calibrated at start, learns as it runs)
             kmax = max(args.ks)
             policy = GoodputPolicy()
             policy.calibrate(calibration)
+            base, _ = run(eng, prompts, SpecParams(), args.new_tokens, temperature=temp)
             eng.engine.spec.policy = policy
             tps, outs = run(eng, prompts, SpecParams(m, kmax), args.new_tokens, temperature=temp)
             eng.engine.spec.policy = None
             cut = sum(o.spec_stats.num_steps_k_reduced for o in outs)
-            print(f"{temp:4.1f} {m:10} {'<=' + str(kmax):>3} {tps:8.1f} {tps / base:8.2f} "
+            print(f"{temp:4.1f} {m:10} {'<=' + str(kmax):>3} {tps:8.1f} {base:7.1f} {tps / base:8.2f} "
                   f"{mean_acceptance(outs):10.2f}  goodput policy, {cut} steps with k cut", flush=True)
 
 
