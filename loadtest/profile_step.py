@@ -71,9 +71,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-set", default="docstring_to_code")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the layer stacks (specserve --compile)")
     args = ap.parse_args(argv)
     eng = OfflineEngine.from_config(EngineConfig(model=args.model, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                                                 speculation_policy="fixed"))
+                                                 speculation_policy="fixed", dtype=args.dtype,
+                                                 compile=args.compile))
     tok = eng.engine.tokenizer
     rows = load_prompt_set(args.prompt_set)
     prompts = [tok.encode(rows[i % len(rows)]["prompt"]) for i in range(args.concurrency)]

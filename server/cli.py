@@ -72,8 +72,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true", default=e.compile,
                    help="torch.compile the layer stacks of the target and draft model: fuses the small ops "
                         "between the matmuls (fewer dispatches per step, most useful at small batches); "
-                        "start-up compiles two graphs per model (tens of seconds on CPU the first time, "
-                        "then cached by torch) (default: off)")
+                        "start-up compiles one graph per model (tens of seconds on CPU the first time, "
+                        "then cached by torch; needs a C++ compiler) (default: off)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=e.enable_prefix_caching,
                    help="disable reuse of KV blocks across requests with a common prefix (default: enabled)")
