@@ -9,7 +9,6 @@ with `promtool check metrics`.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
@@ -22,66 +21,26 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, SERVED_NAME, ServerProcess, free_port
+from conftest import SERVED_NAME, ServerProcess, free_port
+from dashboard_support import (
+    DATASOURCES,
+    GRAFANA_BUILTINS,
+    VARIABLE,
+    dashboard_targets,
+    exported_metric_names,
+    iter_panels,
+    load_dashboard,
+    substitute,
+    template_variables,
+)
 
-DASHBOARD = REPO / "docker" / "grafana" / "dashboards" / "specserve.json"
-DATASOURCES = REPO / "docker" / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
 INSTALL_HINT = ("Debian's `prometheus` package (prometheus + promtool) is needed for this test: "
                 "`apt-get install -y --no-install-recommends prometheus` (after `apt-get update` on a fresh "
                 "machine; .ci/run does this)")
-WINDOW = "10m"            # every range selector covers the whole test: Prometheus starts with it
-GRAFANA_BUILTINS = ("__rate_interval", "__interval", "__range", "__range_s", "__range_ms", "__interval_ms")
 # Names the issue asks the dashboard to show (case-insensitive substrings of panel titles).
 REQUIRED_PANELS = ("acceptance rate by method", "mean acceptance length by method", "per-position acceptance",
                    "draft / accepted / rejected tokens", "tokens per verification step", "time to first token",
                    "inter-token latency", "throughput", "queue depth", "kv cache usage", "error rate")
-
-
-# ---- reading the dashboard ------------------------------------------------------------------------
-
-def load_dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
-
-
-def iter_panels(panels: list[dict]) -> Iterator[dict]:
-    for panel in panels:
-        yield panel
-        yield from iter_panels(panel.get("panels", []))      # collapsed rows nest their panels
-
-
-def dashboard_targets(dash: dict) -> list[tuple[str, dict]]:
-    """(panel title, target) for every query target of every panel."""
-    return [(p["title"], t) for p in iter_panels(dash["panels"]) for t in p.get("targets", [])]
-
-
-def template_variables(dash: dict) -> dict[str, dict]:
-    return {v["name"]: v for v in dash["templating"]["list"]}
-
-
-VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\[\[(\w+)\]\]|\$(\w+)")
-
-
-def substitute(expr: str, values: dict[str, str], window: str = WINDOW) -> str:
-    """Grafana's variable interpolation for the forms the dashboard may use ($x, ${x}, [[x]])."""
-    def one(match: re.Match) -> str:
-        name = next(g for g in match.groups() if g)
-        if name in values:
-            return values[name]
-        if name in ("__range_s",):
-            return str(int(window[:-1]) * 60)
-        if name.startswith("__"):
-            return window
-        raise AssertionError(f"undefined variable ${name} in {expr}")
-    return VARIABLE.sub(one, expr)
-
-
-def exported_metric_names() -> set[str]:
-    """Every sample name server/metrics.py can emit (families expanded to _total/_bucket/...)."""
-    from server.metrics import Metrics
-    m = Metrics()
-    m.set_model_name("m", {"none": 0, "ngram": 2})
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
-    return {fam.name + s for fam in m.registry.collect() for s in suffixes[fam.type]}
 
 
 # ---- static checks --------------------------------------------------------------------------------
