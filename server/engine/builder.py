@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -118,8 +119,6 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
 def compile_models(runner: ModelRunner, speculators: dict) -> None:
     """torch.compile the target's (and a draft model's) layer stack and compile the graphs now, before
     any request exists (server/models/compiled.py)."""
-    import time
-
     from server.models.compiled import warm_up
     start = time.perf_counter()
     models = [(runner.model, runner.kv_caches, runner.aux_layer_ids)]

@@ -5,8 +5,8 @@ them (RMSNorm, RoPE, SiLU-gate, residual adds, casts), each a separate eager dis
 layer stack turns those into a few generated kernels per layer.
 
 What stays outside the graph, called through custom ops so the compiled code runs exactly the eager
-kernels: every packed Linear (`specserve::packed_linear`, server/models/linear.py: the opaque oneDNN
-weight cannot be traced, and its row-stable kernel is what keeps greedy speculation exact) and paged
+kernels: every packed Linear (`specserve::packed_linear`: the opaque oneDNN weight of server/models/linear.py
+cannot be traced, and its row-stable kernel is what keeps greedy speculation exact) and paged
 attention (`specserve::paged_attention` below: the KV cache and the per-step metadata are Python
 structures that change every step; the op finds them in a per-thread forward context instead of as
 graph inputs, so nothing is re-traced and the cache is never copied by functionalization). RoPE's
@@ -39,16 +39,26 @@ from server.models.attention import AttentionMetadata, paged_attention
 
 COMPILE_OPTIONS = {"cpp_wrapper": True, "size_asserts": False}
 
-_LAYERS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+_MODULES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 _context = threading.local()      # .attn: AttentionMetadata, .kv_caches: list[KVCache] of the running forward
 
 
-def register_attention(module: torch.nn.Module) -> int:
-    """Handle by which a compiled graph's attention op finds `module` (its scale, window, layer index)."""
+def register(module: torch.nn.Module) -> int:
+    """Handle by which a compiled graph's custom op finds `module` (a packed Linear, a LlamaAttention)."""
     handle = next(_HANDLES)
-    _LAYERS[handle] = module
+    _MODULES[handle] = module
     return handle
+
+
+@torch.library.custom_op("specserve::packed_linear", mutates_args=())
+def packed_linear_op(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return _MODULES[handle].run_packed(x)
+
+
+@packed_linear_op.register_fake
+def _packed_linear_shape(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _MODULES[handle].out_features))
 
 
 @contextmanager
@@ -62,7 +72,7 @@ def forward_context(attn: AttentionMetadata, kv_caches: list) -> Iterator[None]:
 
 @torch.library.custom_op("specserve::paged_attention", mutates_args=())
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int) -> torch.Tensor:
-    layer = _LAYERS[handle]
+    layer = _MODULES[handle]
     out = paged_attention(q, k, v, _context.kv_caches[layer.layer_idx], _context.attn, layer.scale, layer.window)
     return out.contiguous()          # the graph was traced with a contiguous result (the fake below)
 

@@ -30,13 +30,13 @@ the same row computed alone, so bf16 runs in such blocks (256 rows: 5.5 ms inste
 """
 from __future__ import annotations
 
-import itertools
 import logging
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from server.models import compiled
 
 logger = logging.getLogger(__name__)
 
@@ -48,25 +48,9 @@ ONEDNN_PACKING = (torch.backends.mkldnn.is_available()
 BF16_ROW_BLOCK = 32
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
-# torch.compile (server/models/compiled.py) cannot trace the opaque oneDNN weight, so a compiled graph
-# calls each packed Linear through this custom op by handle; the op runs exactly the eager kernel.
-_BY_HANDLE: weakref.WeakValueDictionary[int, Linear] = weakref.WeakValueDictionary()
-_HANDLES = itertools.count()
-
-
-@torch.library.custom_op("specserve::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return _BY_HANDLE[handle].run_packed(x)
-
-
-@packed_linear.register_fake
-def _packed_linear_shape(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], _BY_HANDLE[handle].out_features))
-
-
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None     # opaque oneDNN copy of weight [out, in]; None = use F.linear
-    handle: int = -1                       # key of this Linear for the packed_linear op (compiled graphs)
+    handle: int = -1                       # key of this Linear for compiled graphs (server/models/compiled.py)
 
     def pack(self) -> None:
         weight = self.weight
@@ -78,16 +62,15 @@ class Linear(nn.Linear):
             except RuntimeError as exc:  # an oneDNN build without this CPU's kernels: stay on F.linear
                 logger.warning("oneDNN %s weight packing unavailable (%s); using F.linear", weight.dtype, exc)
         if self.packed is not None and self.handle < 0:
-            self.handle = next(_HANDLES)
-            _BY_HANDLE[self.handle] = self
+            self.handle = compiled.register(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
         # The packed op has no autograd: with grad enabled (training) use the live weights.
         if (self.packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu"
                 and not torch.is_grad_enabled()):
-            if torch.compiler.is_compiling():
-                return packed_linear(x, self.handle)
+            if torch.compiler.is_compiling():   # the opaque packed weight cannot be traced: a custom op
+                return compiled.packed_linear_op(x, self.handle)
             return self.run_packed(x)
         return F.linear(x, self.weight, self.bias)
 

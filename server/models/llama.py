@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from server.models.attention import AttentionMetadata
-from server.models.compiled import COMPILE_OPTIONS, attend, forward_context, register_attention
+from server.models.compiled import COMPILE_OPTIONS, attend, forward_context, register
 from server.models.config import ModelConfig
 from server.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from server.models.linear import Linear
@@ -40,7 +40,7 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.layer_window(layer_idx)
         self.layer_idx = layer_idx
-        self.attention_handle = register_attention(self)
+        self.attention_handle = register(self)
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
