@@ -14,7 +14,10 @@ observe() (after every target forward, prefill chunks included) catches every la
 whose inputs are real: layer 0 on the target rows that stay in the context, layer m on bases whose
 token t_{b+m+1} is known. Layer m therefore lags layer 0 by m bases; the outputs of layer m-1 that
 layer m has not consumed yet wait in carry[m-1]. Rows the target rejected are never observed, so
-the head's rollback is its `ends` counters alone.
+the head's rollback is its `ends` counters alone. When the target served the first P positions of a
+request from its prefix cache, the head's first observe reads their layer-0 inputs from the state stash
+(record() writes every forward's rows there; speculators/state_stash.py) and runs layer 0 over bases
+[0, P + valid) at once, so it never drafts blind to a cached prompt.
 
 propose(), with N = num_tokens (the last token t_{N-1} has no target state yet):
   step 0:        d_1 from g^0_{N-2} (already computed by observe: no forward)
@@ -42,6 +45,7 @@ from server.models.attention import AttentionMetadata
 from speculators.base import DraftProposal, VerifiedStep
 from speculators.draft_kv import DraftKVCache, DraftSeq, KVCache
 from speculators.draft_sampling import append_drafts, draft_generator
+from speculators.state_stash import TargetStateStash
 
 
 class DraftHead(Protocol):
@@ -94,30 +98,51 @@ class _Live:
 
 
 class HiddenStateDrafter:
-    def __init__(self, head: DraftHead, cache: DraftKVCache) -> None:
+    def __init__(self, head: DraftHead, cache: DraftKVCache, stash: TargetStateStash | None = None) -> None:
         self.head = head
         self.cache = cache
+        self.stash = stash           # set when the target caches prefixes (speculators/state_stash.py)
         self.n = head.num_layers
         self.device = cache.device
         self.dtype = next(head.parameters()).dtype   # activations; the KV cache may be wider (cache_dtype)
         self._seqs: dict[str, _HeadSeq] = {}
+        self._recorded: tuple[torch.Tensor, torch.Tensor] | None = None   # (step.hidden, its layer-0 inputs)
+        self.num_prefix_catch_ups = 0     # requests whose cached prompt prefix the head read from the stash
+
+    # -- record: every forward's layer-0 inputs into the stash ----------------------------------------
+    @torch.inference_mode()
+    def record(self, step: VerifiedStep, slot_mapping: torch.Tensor) -> None:
+        """Called after EVERY target forward (all rows, whatever their method) when a stash exists."""
+        rows = torch.arange(step.hidden.shape[0], device=self.device)
+        states = self.head.target_states(step, rows)                                  # [num_tokens, H]
+        self.stash.write(slot_mapping, states)
+        self._recorded = (step.hidden, states)
+
+    def _layer0_inputs(self, step: VerifiedStep, rows: torch.Tensor) -> torch.Tensor:
+        """[r, H] the head's layer-0 inputs of these rows of the step (reusing record()'s when it ran)."""
+        if self._recorded is not None and self._recorded[0] is step.hidden:
+            return self._recorded[1].index_select(0, rows)
+        return self.head.target_states(step, rows)
 
     # -- observe: catch up on the target's states ---------------------------------------------------
     @torch.inference_mode()
     def observe(self, step: VerifiedStep) -> None:
-        items, rows = [], []
+        items, rows, firsts = [], [], []
         for i, req in enumerate(step.requests):
             start, valid = step.num_computed_before[i], step.valid_lens[i]
-            seq = self._sync(req, start)
-            if not self.cache.reserve(seq.kv, start + valid):
-                self.release(req)       # cache full: restart from a later position next time
-                continue
+            seq = self._sync(req, start, start + valid)
+            if seq is None:
+                continue                # cache full: restart from a later position next time
             items.append((req, seq, start + valid))
+            firsts.append((seq.ends[0], start))
             rows.append(torch.arange(step.token_offsets[i], step.token_offsets[i] + valid))
         if not items:
             return
-        inputs = self.head.target_states(step, torch.cat(rows).to(self.device))     # [sum(valid), H]
+        inputs = self._layer0_inputs(step, torch.cat(rows).to(self.device))         # [sum(valid), H]
         outputs = list(inputs.split([len(r) for r in rows]))
+        for j, ((req, _, _), (first, start)) in enumerate(zip(items, firsts)):
+            if first < start:           # bases [first, start): the target served them from its prefix cache
+                outputs[j] = torch.cat([self.stash.read(req.block_ids, first, start), outputs[j]])
         for m in range(self.n):
             batch: list[_Rows] = []
             for j, (req, seq, end0) in enumerate(items):
@@ -137,19 +162,28 @@ class HiddenStateDrafter:
                 if m == self.n - 1 and out.shape[0]:
                     rows_m.seq.carry[m] = out[-1:]
 
-    def _sync(self, req, start: int) -> _HeadSeq:
-        """The request's state if it continues exactly at `start`; otherwise a fresh one starting there
-        (first sight, a cached target prefix, or a restart after the drafter cache was full)."""
+    def _sync(self, req, start: int, end: int) -> _HeadSeq | None:
+        """The request's state, with KV reserved up to `end`, if it continues exactly at `start`; otherwise
+        a fresh one: from position 0 when the stash holds the states of [0, start) (a cached target
+        prefix), else starting at `start` (no stash, or no room for the prefix). None: the cache is full."""
         seq = self._seqs.get(req.request_id)
         if seq is not None and seq.ends[0] == start:
-            return seq
+            if self.cache.reserve(seq.kv, end):
+                return seq
+            self.release(req)
+            return None
         if seq is not None:
             self.cache.free(seq.kv)
-        empty = torch.empty(0, self.head.hidden_size, dtype=self.dtype, device=self.device)   # [0, H]
-        seq = self._seqs[req.request_id] = _HeadSeq(
-            kv=DraftSeq(start=start), ends=[start] * self.n, carry=[empty] * self.n,
-            generator=draft_generator(req.sampling_params, self.device))
-        return seq
+        for first in ((0, start) if self.stash is not None and start > 0 else (start,)):
+            empty = torch.empty(0, self.head.hidden_size, dtype=self.dtype, device=self.device)   # [0, H]
+            seq = self._seqs[req.request_id] = _HeadSeq(
+                kv=DraftSeq(start=first), ends=[first] * self.n, carry=[empty] * self.n,
+                generator=draft_generator(req.sampling_params, self.device))
+            if self.cache.reserve(seq.kv, end):
+                self.num_prefix_catch_ups += first < start
+                return seq
+            self.release(req)
+        return None
 
     # -- propose: k draft steps, batched -------------------------------------------------------------
     @torch.inference_mode()

@@ -18,6 +18,7 @@ from speculators.draft_kv import DraftKVCache, mirror_target_blocks
 from speculators.hidden_drafter import HiddenStateDrafter
 from speculators.mtp_head import MtpHead
 from speculators.mtp_loader import load_mtp_head
+from speculators.state_stash import TargetStateStash
 
 log = logging.getLogger(__name__)
 
@@ -26,21 +27,27 @@ class MtpSpeculator:
     name = "mtp"
     aux_layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, head: MtpHead, cache: DraftKVCache) -> None:
+    def __init__(self, head: MtpHead, cache: DraftKVCache, stash: TargetStateStash | None = None) -> None:
         self.head = head
-        self.drafter = HiddenStateDrafter(head, cache)
+        self.drafter = HiddenStateDrafter(head, cache, stash)
 
     @classmethod
-    def load(cls, model_dir: str | Path, runner) -> MtpSpeculator:
-        """runner: the target ModelRunner; the MTP layers come from the same checkpoint directory."""
+    def load(cls, model_dir: str | Path, runner, stash_states: bool = False) -> MtpSpeculator:
+        """runner: the target ModelRunner; the MTP layers come from the same checkpoint directory.
+        stash_states: keep the target state per target slot (the target caches prefixes: state_stash.py)."""
         cfg = runner.cfg
         head = load_mtp_head(model_dir, cfg, runner.model.embed_tokens, runner.model.lm_head,
                              runner.dtype, runner.device)
-        cache = mirror_target_blocks(runner.kv_caches[0][0].shape[0], runner.block_size, head.num_layers,
+        num_blocks = runner.kv_caches[0][0].shape[0]
+        cache = mirror_target_blocks(num_blocks, runner.block_size, head.num_layers,
                                      cfg.num_key_value_heads, cfg.head_dim, runner.dtype, runner.device,
                                      f"MTP ({head.layout.name}, {head.num_layers} layer(s))")
         log.info("MTP speculator: %d %s layer(s) from %s", head.num_layers, head.layout.name, model_dir)
-        return cls(head, cache)
+        stash = None
+        if stash_states:
+            stash = TargetStateStash(num_blocks * runner.block_size, head.hidden_size, runner.block_size,
+                                     runner.dtype, runner.device)
+        return cls(head, cache, stash)
 
     @property
     def cache(self) -> DraftKVCache:
@@ -52,6 +59,14 @@ class MtpSpeculator:
 
     def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
         return self.drafter.propose(requests, ks)
+
+    @property
+    def records_states(self) -> bool:
+        """Whether record() must see every target forward (a state stash exists)."""
+        return self.drafter.stash is not None
+
+    def record(self, step: VerifiedStep, slot_mapping) -> None:
+        self.drafter.record(step, slot_mapping)
 
     def observe(self, step: VerifiedStep) -> None:
         self.drafter.observe(step)

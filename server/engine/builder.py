@@ -94,7 +94,7 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     # One budget for everyone: each target block comes with one block in every drafter's own cache.
     kv_dtype = cache_dtype(dtype, device)
     target_bpb = kv_cache_bytes_per_block(mcfg, cfg.block_size, kv_dtype)
-    drafter_bpb = drafter_bytes_per_block(cfg, model_dir, mcfg, cfg.block_size, kv_dtype)
+    drafter_bpb = drafter_bytes_per_block(cfg, model_dir, mcfg, cfg.block_size, kv_dtype, dtype)
     num_blocks = budget // (target_bpb + drafter_bpb)
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-memory-gb {cfg.kv_cache_memory_gb} holds no KV block "
@@ -156,10 +156,10 @@ def build_speculators(cfg: EngineConfig, runner: ModelRunner, tokenizer: Tokeniz
             runner.dtype, runner.device)
     if eagle3_dir is not None:
         from speculators.eagle3 import Eagle3Speculator
-        specs["eagle3"] = Eagle3Speculator.load(eagle3_dir, runner)
+        specs["eagle3"] = Eagle3Speculator.load(eagle3_dir, runner, stash_states=cfg.enable_prefix_caching)
     if model_dir is not None and runner.cfg.num_nextn_predict_layers > 0:
         from speculators.mtp import MtpSpeculator
-        specs["mtp"] = MtpSpeculator.load(model_dir, runner)
+        specs["mtp"] = MtpSpeculator.load(model_dir, runner, stash_states=cfg.enable_prefix_caching)
     return specs
 
 
@@ -176,17 +176,21 @@ def resolve_drafters(cfg: EngineConfig, model_dir: Path | None) -> tuple[str | N
 
 
 def drafter_bytes_per_block(cfg: EngineConfig, model_dir: Path | None, mcfg, block_size: int,
-                            dtype: torch.dtype) -> int:
-    """KV bytes the drafters hold per target block: a draft model's layers, one layer per head layer.
-    dtype: the KV cache dtype (kv_cache.cache_dtype)."""
+                            dtype: torch.dtype, model_dtype: torch.dtype) -> int:
+    """Bytes the drafters hold per target block: a draft model's KV layers, one KV layer per head layer,
+    and with prefix caching each head's state stash (speculators/state_stash.py).
+    dtype: the KV cache dtype (kv_cache.cache_dtype); model_dtype: the activations' (the stash's)."""
     from server.models.config import load_config
+    from speculators.state_stash import TargetStateStash
     per_layer = kv_cache_bytes_per_block(mcfg, block_size, dtype) // mcfg.num_hidden_layers
+    stash = TargetStateStash.bytes_per_block(mcfg.hidden_size, block_size, model_dtype)
     draft_dir, eagle3_dir = resolve_drafters(cfg, model_dir)
     total = 0
     if draft_dir is not None:
         total += kv_cache_bytes_per_block(load_config(draft_dir), block_size, dtype)
     if eagle3_dir is not None:
-        total += per_layer
-    if model_dir is not None:
-        total += per_layer * mcfg.num_nextn_predict_layers
+        # an EAGLE-3 head's layer is as wide as the target here (its config may say otherwise: a few %)
+        total += per_layer + (stash if cfg.enable_prefix_caching else 0)
+    if model_dir is not None and mcfg.num_nextn_predict_layers > 0:
+        total += per_layer * mcfg.num_nextn_predict_layers + (stash if cfg.enable_prefix_caching else 0)
     return total

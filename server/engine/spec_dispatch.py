@@ -82,8 +82,17 @@ class SpecDispatcher:
 
     def observe(self, seqs: list[ScheduledSeq], computed_before: list[int], accepted: list[int],
                 result) -> None:
-        """Hand each stateful speculator the target states of its requests from this forward."""
+        """Hand each stateful speculator the target states of its requests from this forward; first let
+        the heads that stash states per KV slot record every row (speculators/state_stash.py)."""
         batch = result.batch
+        everything = None
+        for spec in self.speculators.values():
+            if getattr(spec, "records_states", False):
+                everything = everything or VerifiedStep(
+                    requests=[], num_computed_before=[], token_offsets=[], query_lens=[], valid_lens=[],
+                    num_accepted=[], sampled=[], hidden=result.hidden, prenorm_hidden=result.prenorm_hidden,
+                    aux_hidden=result.aux_hidden)
+                spec.record(everything, batch.attn.slot_mapping)
         groups: dict[str, list[int]] = {}
         for i, seq in enumerate(seqs):
             method = seq.request.spec_params.method
