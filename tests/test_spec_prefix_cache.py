@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_draft_model import GREEDY, TEXTS, assert_no_leaks, encode, make_engine, record_proposals
+from test_spec_draft_model import (
+    GREEDY,
+    TEXTS,
+    assert_no_leaks,
+    encode,
+    make_engine,
+    record_proposals,
+)
 from test_spec_eagle3 import eagle_weights, write_eagle_original
 from test_spec_mtp import write_mtp_target
 
