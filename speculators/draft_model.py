@@ -23,6 +23,7 @@ model's own distribution at the request's temperature/top-k/top-p with those pro
 """
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,7 @@ class DraftModelSpeculator:
         self.target_vocab_size = target_vocab_size
         self.device = cache.device
         self._states: dict[str, _DraftState] = {}
+        self.refusals: collections.Counter[str] = collections.Counter()   # reason -> count, drained per step
 
     @classmethod
     def load(cls, draft_dir: str | Path, target_cfg: ModelConfig, target_tokenizer_dir: str | Path | None,
@@ -97,7 +99,8 @@ class DraftModelSpeculator:
             n = req.num_tokens
             # KV for the unseen tokens and for d_1..d_{k-1}: positions [0, n + k - 1)
             if not self.cache.reserve(state.kv, n + k - 1):
-                continue            # draft cache full (shared target prefixes): no drafts this step
+                self.refusals["drafter_cache_full"] += 1   # (shared target prefixes): no drafts this step
+                continue
             first_tokens.append(req.token_slice(valid, n))
             live.append(_Live(i, state, req, k))
         if live:

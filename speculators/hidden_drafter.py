@@ -35,6 +35,7 @@ Worked example, EAGLE-3 (n = 1), k = 3, context t_0..t_4 (N = 5), target states 
 """
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -108,6 +109,10 @@ class HiddenStateDrafter:
         self._seqs: dict[str, _HeadSeq] = {}
         self._recorded: tuple[torch.Tensor, torch.Tensor] | None = None   # (step.hidden, its layer-0 inputs)
         self.num_prefix_catch_ups = 0     # requests whose cached prompt prefix the head read from the stash
+        # reason -> count since the engine last drained it (spec_decode_refused_total):
+        # "drafter_cache_full": a step drafted nothing for want of KV room; "prefix_unseen": the head had
+        # no room for a cached prompt prefix and drafts from the positions after it
+        self.refusals: collections.Counter[str] = collections.Counter()
 
     # -- record: every forward's layer-0 inputs into the stash ----------------------------------------
     @torch.inference_mode()
@@ -181,6 +186,8 @@ class HiddenStateDrafter:
                 generator=draft_generator(req.sampling_params, self.device))
             if self.cache.reserve(seq.kv, end):
                 self.num_prefix_catch_ups += first < start
+                if first == start > 0 and self.stash is not None:
+                    self.refusals["prefix_unseen"] += 1
                 return seq
             self.release(req)
         return None
@@ -192,9 +199,11 @@ class HiddenStateDrafter:
         for i, (req, k) in enumerate(zip(requests, ks)):
             seq = self._seqs.get(req.request_id)
             n_tok = req.num_tokens
-            if k <= 0 or seq is None or seq.ends[0] != n_tok - 1 or seq.carry[0].shape[0] == 0:
-                continue                # not in sync with the target (e.g. drafter cache was full)
-            if not self.cache.reserve(seq.kv, n_tok - 1 + max(0, k - self.n)):
+            if k <= 0:
+                continue
+            if (seq is None or seq.ends[0] != n_tok - 1 or seq.carry[0].shape[0] == 0
+                    or not self.cache.reserve(seq.kv, n_tok - 1 + max(0, k - self.n))):
+                self.refusals["drafter_cache_full"] += 1   # out of sync only after a cache-full release
                 continue
             live.append(_Live(i, req, seq, k))
         if live:

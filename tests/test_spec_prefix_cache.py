@@ -76,9 +76,19 @@ def test_no_room_for_the_prefix_falls_back_to_the_uncached_part(dirs):
     drafter = eng.engine.spec.speculators["mtp"].drafter
     reserve = drafter.cache.reserve
     drafter.cache.reserve = lambda seq, end: seq.start > 0 and reserve(seq, end)   # a "full" cache from 0
+    refused: dict[str, int] = {}
+    step = eng.engine.step
+
+    def counting_step():
+        outputs, stats = step()
+        for reason, count in stats.spec_refused.items():
+            refused[reason] = refused.get(reason, 0) + count
+        return outputs, stats
+    eng.engine.step = counting_step
     outs = eng.generate(prompts, params, SpecParams("mtp", 3))
     assert [o.token_ids for o in outs] == refs
     assert drafter.num_prefix_catch_ups == 0
+    assert refused == {"prefix_unseen": len(prompts)}                       # said, not silent
     assert all(o.spec_stats.num_draft_tokens > 0 for o in outs)            # still drafting, from the cached end
     del drafter.cache.reserve
     assert_no_leaks(eng)

@@ -59,7 +59,18 @@ class SpecDispatcher:
                 drafts[i] = list(proposal.token_ids[j][:k])
                 p = proposal.draft_probs[j]
                 probs[i] = p[:len(drafts[i])] if p is not None else None
+        self._drain_refusals(stats)
         return drafts, probs
+
+    def _drain_refusals(self, stats: StepStats) -> None:
+        """Model-based drafters count what they could not do (no KV room: no drafts this step, or a cached
+        prompt prefix left unseen); it goes to spec_decode_refused_total by reason."""
+        for spec in self.speculators.values():
+            refusals = getattr(spec, "refusals", None) or getattr(getattr(spec, "drafter", None), "refusals", None)
+            if refusals:
+                for reason, count in refusals.items():
+                    stats.spec_refused[reason] = stats.spec_refused.get(reason, 0) + count
+                refusals.clear()
 
     def observe_step(self, seqs: list[ScheduledSeq], drafts: list[list[int]], seconds: float) -> None:
         """Step time for the policy's cost fit: pure decode/verify steps only (no prefill rows)."""
