@@ -27,7 +27,7 @@ from pathlib import Path
 from training import common
 
 # Tokens each shipped model was trained on (whole 4096-token steps; see models/README.md).
-PLAN_TOKENS = {"target": 3_321_856, "target-2": 4_997_120, "draft": 4_603_904, "eagle3": 2_498_560}
+PLAN_TOKENS = {"target": 3_321_856, "target-2": 4_997_120, "draft": 4_603_904, "eagle3": 5_998_592}
 STAGE_ARGS = {"target-2": ["--lr", "1e-3"], "eagle3": ["--draft-vocab", "2048"]}
 EXIT_RESUME = 75   # "not finished, rerun to resume" (EX_TEMPFAIL)
 
