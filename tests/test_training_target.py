@@ -139,3 +139,25 @@ def test_preset_sizes():
     assert 25e6 <= main_params <= 40e6
     assert target.num_key_value_heads < target.num_attention_heads
     assert flops_per_token(DRAFT) <= flops_per_token(target) / 8
+
+
+def test_the_evaluations_sampler_keeps_the_nucleus_and_the_card_reports_both_loop_measures():
+    from training.evaluate import greedy, sample
+    from training.model_card import status_lines
+    torch.manual_seed(0)
+    model = LlamaLM(TINY).eval()
+    prompt = [5, 6, 7]
+    # a nucleus smaller than any single token keeps only the most likely one: greedy
+    assert sample(model, prompt, 6, temperature=1.0, top_p=1e-9, seed=1) == greedy(model, prompt, 6)
+    draws = {tuple(sample(model, prompt, 6, temperature=1.0, top_p=1.0, seed=s)) for s in range(4)}
+    assert len(draws) > 1 and sample(model, prompt, 6, 1.0, 1.0, seed=2) == sample(model, prompt, 6, 1.0, 1.0, seed=2)
+
+    class Corpus:
+        @staticmethod
+        def heldout_texts():
+            return ["def f(x):\n    return x + 1\n" * 3]
+    loop, fresh = "a b c " * 10, "def g(y): return y * 2 if y else None"
+    rows = status_lines({"samples": [{"completion": loop, "sampled": [fresh, fresh]}]}, Corpus())
+    greedy_row = next(r for r in rows if "greedy samples do not loop" in r)
+    sampled_row = next(r for r in rows if "sampled completions" in r)
+    assert greedy_row.endswith("| **no** |") and sampled_row.endswith("| yes |")

@@ -25,6 +25,10 @@ from training.lm_loop import evaluate as lm_heldout
 from training.model import LlamaLM
 from training.train_eagle3 import head_spec
 
+# sampled completions beside the greedy one: greedy decoding of a small LM degenerates into loops that
+# sampling does not show (Holtzman et al. 2019), so the card measures both
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seeds": 3}
+
 
 def function_prompts(n: int, lines: int = 3) -> list[str]:
     """The first `lines` lines of the first long-enough function of each held-out file (sorted, deterministic)."""
@@ -45,6 +49,22 @@ def greedy(model: LlamaLM, ids: list[int], new_tokens: int) -> list[int]:
     seq = list(ids)
     for _ in range(new_tokens):
         nxt = int(model(torch.tensor([seq]))[0, -1].argmax())
+        seq.append(nxt)
+        if nxt == 0:
+            break
+    return seq
+
+
+@torch.no_grad()
+def sample(model: LlamaLM, ids: list[int], new_tokens: int, temperature: float, top_p: float, seed: int) -> list[int]:
+    """The same loop drawing from the temperature-scaled nucleus (top_p) of each step's distribution."""
+    gen = torch.Generator().manual_seed(seed)
+    seq = list(ids)
+    for _ in range(new_tokens):
+        probs = (model(torch.tensor([seq]))[0, -1].float() / temperature).softmax(-1)
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p                  # the smallest prefix reaching top_p
+        nxt = int(order[keep][torch.multinomial(sorted_p[keep], 1, generator=gen)])
         seq.append(nxt)
         if nxt == 0:
             break
@@ -145,7 +165,9 @@ def main(argv=None):
         seq = greedy(target, ids, args.new_tokens)
         a = acceptance(target, seq, len(ids), draft, head, args.k)
         acc.append(a)
-        samples.append({"prompt": prompt, "completion": tok.decode(seq[len(ids):]), **a})
+        sampled = [tok.decode(sample(target, ids, args.new_tokens, SAMPLED["temperature"], SAMPLED["top_p"],
+                                     seed)[len(ids):]) for seed in range(SAMPLED["seeds"])]
+        samples.append({"prompt": prompt, "completion": tok.decode(seq[len(ids):]), **a, "sampled": sampled})
         print(json.dumps(samples[-1]), f"{time.time() - t0:.0f}s", flush=True)
     res["acceptance_mean"] = {key: sum(a[key] for a in acc) / len(acc) for key in acc[0]} if acc else {}
     res["samples"] = samples
