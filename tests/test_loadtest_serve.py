@@ -143,3 +143,17 @@ def test_step_profile_accounts_for_each_stage(tiny_model_dir, capsys):
         assert {"forward", "logits", "sampler", "prepare", "emit"} <= set(r["stages"])
         assert sum(r["stages"].values()) <= r["ms_per_step"] * 1.01   # stages are inside the step
     assert results[1]["stages"].get("propose", 0) > 0 and "ms/step" in capsys.readouterr().out
+
+
+def test_interleaved_ab_pairs_every_prompt_and_keeps_greedy_output(tiny_model_dir, capsys):
+    """loadtest.bench_interleaved on the tiny model: one row per (method, k), both arms over the same tokens,
+    per-round ratios bracketing the pooled speedup, and fp32 greedy output equal to plain in every pair."""
+    from loadtest import bench_interleaved
+    rows = bench_interleaved.main(["--model", str(tiny_model_dir), "--dtype", "float32", "--methods", "ngram",
+                                   "--ks", "1,3", "--num-prompts", "3", "--new-tokens", "8", "--rounds", "2"])
+    assert [(r["method"], r["k"]) for r in rows] == [("ngram", 1), ("ngram", 3)]
+    for r in rows:
+        assert r["greedy_mismatches"] == 0 and r["tau"] >= 1.0
+        assert r["ratio_min"] <= r["speedup"] <= r["ratio_max"]
+        assert r["tok_s"] / r["none_tok_s"] == pytest.approx(r["speedup"])
+    assert "interleaved rounds" in capsys.readouterr().out
