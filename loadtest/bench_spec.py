@@ -114,12 +114,15 @@ def plot(results: list[dict], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "acceptance_length.png", dpi=110)
     fig, ax = plt.subplots(figsize=(6, 4))
+    lowest = min(r["concurrency"] for r in results), min(r["temperature"] for r in results)
     for m in methods:
-        rs = [r for r in results if r["method"] == m and r["per_pos"]]
-        if rs:
-            best = max(rs, key=lambda r: len(r["per_pos"]))
-            ax.plot(range(1, len(best["per_pos"]) + 1), best["per_pos"], marker="o", label=f"{m} k={best['k']}")
-    ax.set(xlabel="draft position", ylabel="acceptance rate", title="per-position acceptance")
+        rs = [r for r in results if r["method"] == m and r["per_pos"]
+              and (r["concurrency"], r["temperature"]) == lowest and r["prompt_set"] == results[0]["prompt_set"]]
+        if rs:   # the largest k, and only its k positions (the server's counters have max-k slots)
+            best = max(rs, key=lambda r: r["k"])
+            ax.plot(range(1, best["k"] + 1), best["per_pos"][:best["k"]], marker="o", label=f"{m} k={best['k']}")
+    ax.set(xlabel="draft position", ylabel="acceptance rate",
+           title=f"per-position acceptance, {results[0]['prompt_set']}, concurrency {lowest[0]}, T={lowest[1]}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "per_position_acceptance.png", dpi=110)
