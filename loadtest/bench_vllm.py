@@ -101,6 +101,8 @@ def main(argv=None) -> None:
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both servers")
+    ap.add_argument("--compile", action="store_true",
+                    help="ours with --compile too (vLLM's CPU backend compiles its model by default)")
     args = ap.parse_args(argv)
     rows = []
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", OMP_NUM_THREADS=str(args.threads))
@@ -111,8 +113,8 @@ def main(argv=None) -> None:
             with started_process(vllm_cmd(args, port, speculate, plain), port, env=env, timeout=600) as url:
                 for r in drive(url, "off", args):
                     rows.append(labelled(r, "vllm", "ngram" if speculate else "none"))
-    with started_server(None, ["--model", str(args.model), "--dtype", args.dtype,
-                               "--num-threads", str(args.threads)]) as url:
+    with started_server(None, ["--model", str(args.model), "--dtype", args.dtype, "--num-threads", str(args.threads)]
+                        + (["--compile"] if args.compile else [])) as url:
         for method in ("ngram", "none"):
             for r in drive(url, method, args):
                 rows.append(labelled(r, "ours", method))
@@ -124,7 +126,7 @@ def main(argv=None) -> None:
     for t in table:
         print(f"{t['concurrency']:11d} {t['method']:>7s} {t['vllm']:11.1f} {t['ours']:11.1f} {t['ratio']:10.2f}")
     meta = {"command": "python -m loadtest.bench_vllm " + " ".join(argv or []), "machine": platform.platform(),
-            "threads": args.threads, "dtype": args.dtype}
+            "threads": args.threads, "dtype": args.dtype, "compile": args.compile}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=2))
     print(f"wrote {out / 'results.json'}")
 

@@ -51,7 +51,7 @@ class Eagle3Speculator:
         stash = None
         if stash_states:
             stash = TargetStateStash(num_blocks * runner.block_size, cfg.hidden_size, runner.block_size,
-                                     runner.dtype, runner.device)
+                                     runner.dtype, runner.device, project=head.fc)
         return cls(head, cache, runner, stash)
 
     @property

@@ -97,6 +97,10 @@ class Eagle3Head(nn.Module):
         taps = [step.aux_hidden[j].index_select(0, rows) for j in self.aux_index]   # each [r, Ht]
         return self.fc(torch.cat(taps, dim=-1))
 
+    def stash_rows(self, step: VerifiedStep) -> torch.Tensor:
+        """Every row's concatenated taps [num_tokens, 3 Ht] (a new tensor); the stash projects them by fc."""
+        return torch.cat([step.aux_hidden[j] for j in self.aux_index], dim=-1)
+
     def layer(self, m: int, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
               max_position: int, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         """hidden [r, H], token_ids [r], positions [r] absolute (< max_position) -> pre-norm h [r, H]."""

@@ -58,6 +58,11 @@ class DraftHead(Protocol):
         """rows [r] int64 token rows of the step -> layer-0 hidden inputs [r, H] (EAGLE-3: fc of the taps)."""
         ...
 
+    def stash_rows(self, step: VerifiedStep) -> torch.Tensor:
+        """Every row of the step as the state stash queues it: a fresh tensor [num_tokens, R] whose projection
+        (the stash's `project`) is target_states (EAGLE-3: the concatenated taps, projected by fc)."""
+        ...
+
     def layer(self, m: int, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
               max_position: int, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         """hidden [r, H], token_ids [r], positions [r] absolute (all < max_position: sizes the RoPE table
@@ -107,27 +112,17 @@ class HiddenStateDrafter:
         self.device = cache.device
         self.dtype = next(head.parameters()).dtype   # activations; the KV cache may be wider (cache_dtype)
         self._seqs: dict[str, _HeadSeq] = {}
-        self._recorded: tuple[torch.Tensor, torch.Tensor] | None = None   # (step.hidden, its layer-0 inputs)
         self.num_prefix_catch_ups = 0     # requests whose cached prompt prefix the head read from the stash
         # reason -> count since the engine last drained it (spec_decode_refused_total):
         # "drafter_cache_full": a step drafted nothing for want of KV room; "prefix_unseen": the head had
         # no room for a cached prompt prefix and drafts from the positions after it
         self.refusals: collections.Counter[str] = collections.Counter()
 
-    # -- record: every forward's layer-0 inputs into the stash ----------------------------------------
+    # -- record: every forward's rows into the stash ---------------------------------------------------
     @torch.inference_mode()
     def record(self, step: VerifiedStep, slot_mapping: torch.Tensor) -> None:
         """Called after EVERY target forward (all rows, whatever their method) when a stash exists."""
-        rows = torch.arange(step.hidden.shape[0], device=self.device)
-        states = self.head.target_states(step, rows)                                  # [num_tokens, H]
-        self.stash.write(slot_mapping, states)
-        self._recorded = (step.hidden, states)
-
-    def _layer0_inputs(self, step: VerifiedStep, rows: torch.Tensor) -> torch.Tensor:
-        """[r, H] the head's layer-0 inputs of these rows of the step (reusing record()'s when it ran)."""
-        if self._recorded is not None and self._recorded[0] is step.hidden:
-            return self._recorded[1].index_select(0, rows)
-        return self.head.target_states(step, rows)
+        self.stash.add(slot_mapping, self.head.stash_rows(step))
 
     # -- observe: catch up on the target's states ---------------------------------------------------
     @torch.inference_mode()
@@ -143,7 +138,7 @@ class HiddenStateDrafter:
             rows.append(torch.arange(step.token_offsets[i], step.token_offsets[i] + valid))
         if not items:
             return
-        inputs = self._layer0_inputs(step, torch.cat(rows).to(self.device))         # [sum(valid), H]
+        inputs = self.head.target_states(step, torch.cat(rows).to(self.device))     # [sum(valid), H]
         outputs = list(inputs.split([len(r) for r in rows]))
         for j, ((req, _, _), (first, start)) in enumerate(zip(items, firsts)):
             if first < start:           # bases [first, start): the target served them from its prefix cache

@@ -90,6 +90,10 @@ class MtpHead(nn.Module):
         states = step.prenorm_hidden if self.layout.prenorm_target else step.hidden
         return states.index_select(0, rows)
 
+    def stash_rows(self, step: VerifiedStep) -> torch.Tensor:
+        """Every row's target state [num_tokens, H], copied (the stash needs no projection)."""
+        return (step.prenorm_hidden if self.layout.prenorm_target else step.hidden).clone()
+
     def layer(self, m: int, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
               max_position: int, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         """hidden [r, H], token_ids [r], positions [r] absolute -> chained state [r, H]."""

@@ -92,3 +92,20 @@ def test_no_room_for_the_prefix_falls_back_to_the_uncached_part(dirs):
     assert all(o.spec_stats.num_draft_tokens > 0 for o in outs)            # still drafting, from the cached end
     del drafter.cache.reserve
     assert_no_leaks(eng)
+
+
+def test_the_stash_queues_rows_and_a_reused_slot_keeps_the_later_row():
+    from speculators.state_stash import TargetStateStash
+    stash = TargetStateStash(8, 2, block_size=4, dtype=torch.float32, device="cpu",
+                             project=lambda raw: raw[:, :2] + raw[:, 2:], max_pending_rows=5)
+    first = torch.tensor([[1.0, 1, 10, 10], [2, 2, 20, 20]])          # slots 1, 2
+    second = torch.tensor([[3.0, 3, 30, 30], [4, 4, 40, 40]])         # slots 2 (reused), 3
+    stash.add(torch.tensor([1, 2]), first)
+    stash.add(torch.tensor([2, 3]), second)
+    assert stash.states.abs().sum() == 0                                # queued, not yet projected
+    # block table [1, 0]: positions 0..3 live in slots 4..7, positions 4..7 in slots 0..3
+    got = stash.read([1, 0], 5, 8)                                      # slots 1, 2, 3 -> flushes first
+    torch.testing.assert_close(got, torch.tensor([[11.0, 11], [33, 33], [44, 44]]))
+    stash.add(torch.tensor([4, 5, 6]), torch.ones(3, 4))
+    stash.add(torch.tensor([7, 0]), torch.ones(2, 4))                   # 5 rows queued: flushed at once
+    assert stash._pending_rows == 0 and stash.states[[4, 5, 6, 7, 0]].eq(2).all()
