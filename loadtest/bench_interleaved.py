@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from loadtest.bench_spec_core import mean_acceptance
 from loadtest.prompt_sets import load_prompt_set
 from sampling.params import SamplingParams
 from server.config import EngineConfig
@@ -33,8 +34,8 @@ def ab(eng: OfflineEngine, prompts: list[list[int]], spec: SpecParams, temperatu
        rounds: int) -> dict:
     """Interleaved rounds of (none, method) per prompt -> summed times, per-round ratios, acceptance."""
     plain_s = spec_s = 0.0
-    tokens = drafts = accepted = mismatches = 0
-    ratios = []
+    tokens = mismatches = 0
+    ratios, outs = [], []
     for r in range(rounds):
         round_plain = round_spec = 0.0
         for i, prompt in enumerate(prompts):
@@ -48,15 +49,14 @@ def ab(eng: OfflineEngine, prompts: list[list[int]], spec: SpecParams, temperatu
             round_plain += tp
             round_spec += ts
             tokens += len(out.token_ids)
-            drafts += out.spec_stats.num_drafts
-            accepted += out.spec_stats.num_accepted_tokens
+            outs.append(out)
             mismatches += temperature == 0 and out.token_ids != plain.token_ids
         plain_s += round_plain
         spec_s += round_spec
         ratios.append(round_plain / round_spec)
     return {"none_tok_s": tokens / plain_s, "tok_s": tokens / spec_s, "speedup": plain_s / spec_s,
             "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "tau": 1 + accepted / drafts if drafts else 1.0, "greedy_mismatches": mismatches}
+            "tau": mean_acceptance(outs), "greedy_mismatches": mismatches}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -114,3 +114,7 @@ class Speculator(Protocol):
     def release(self, request: Any) -> None:
         """Forget per-request state (request finished, aborted or preempted)."""
         ...
+
+    # Optional, model-based drafters: `refusals` (collections.Counter reason -> count of what they could
+    # not do, drained into spec_decode_refused_total every step); `records_states` + `record(step,
+    # slot_mapping)` (see every target forward's rows, for the prefix-cache state stash).

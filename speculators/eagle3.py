@@ -20,7 +20,6 @@ from speculators.draft_kv import DraftKVCache, mirror_target_blocks
 from speculators.eagle3_head import Eagle3Head
 from speculators.eagle3_loader import load_eagle3_head
 from speculators.hidden_drafter import HiddenStateDrafter
-from speculators.state_stash import TargetStateStash
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +27,13 @@ log = logging.getLogger(__name__)
 class Eagle3Speculator:
     name = "eagle3"
 
-    def __init__(self, head: Eagle3Head, cache: DraftKVCache, runner, stash: TargetStateStash | None = None
-                 ) -> None:
+    def __init__(self, head: Eagle3Head, cache: DraftKVCache, runner, stash_states: bool = False) -> None:
         self.head = head
         self.runner = runner           # its aux_layer_ids (the union of all taps) is set after we are built
         self.aux_layer_ids: tuple[int, ...] = tuple(sorted(set(head.spec.aux_layer_ids)))
-        self.drafter = HiddenStateDrafter(head, cache, stash)
+        self.drafter = HiddenStateDrafter(head, cache, stash_states)
+        self.refusals = self.drafter.refusals               # spec_decode_refused_total, drained per step
+        self.records_states = stash_states                  # record() must see every target forward
 
     @classmethod
     def load(cls, head_dir: str | Path, runner, stash_states: bool = False) -> Eagle3Speculator:
@@ -48,11 +48,7 @@ class Eagle3Speculator:
         log.info("EAGLE-3 head (%s layout): taps %s, draft vocab %d of %d, norm_before_residual %s",
                  spec.layout, spec.aux_layer_ids, spec.draft_vocab_size, spec.target_vocab_size,
                  spec.norm_before_residual)
-        stash = None
-        if stash_states:
-            stash = TargetStateStash(num_blocks * runner.block_size, cfg.hidden_size, runner.block_size,
-                                     runner.dtype, runner.device, project=head.fc)
-        return cls(head, cache, runner, stash)
+        return cls(head, cache, runner, stash_states)
 
     @property
     def cache(self) -> DraftKVCache:
@@ -64,11 +60,6 @@ class Eagle3Speculator:
 
     def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
         return self.drafter.propose(requests, ks)
-
-    @property
-    def records_states(self) -> bool:
-        """Whether record() must see every target forward (a state stash exists)."""
-        return self.drafter.stash is not None
 
     def record(self, step: VerifiedStep, slot_mapping) -> None:
         self.head.bind_taps(tuple(self.runner.aux_layer_ids))

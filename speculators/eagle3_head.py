@@ -98,8 +98,12 @@ class Eagle3Head(nn.Module):
         return self.fc(torch.cat(taps, dim=-1))
 
     def stash_rows(self, step: VerifiedStep) -> torch.Tensor:
-        """Every row's concatenated taps [num_tokens, 3 Ht] (a new tensor); the stash projects them by fc."""
+        """Every row's concatenated taps [num_tokens, 3 Ht] (a new tensor); the stash projects them in bulk."""
         return torch.cat([step.aux_hidden[j] for j in self.aux_index], dim=-1)
+
+    def stash_project(self, raw: torch.Tensor) -> torch.Tensor:
+        """stash_rows -> target_states: [n, 3 Ht] -> fc [n, H]."""
+        return self.fc(raw)
 
     def layer(self, m: int, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
               max_position: int, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:

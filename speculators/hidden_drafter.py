@@ -59,9 +59,11 @@ class DraftHead(Protocol):
         ...
 
     def stash_rows(self, step: VerifiedStep) -> torch.Tensor:
-        """Every row of the step as the state stash queues it: a fresh tensor [num_tokens, R] whose projection
-        (the stash's `project`) is target_states (EAGLE-3: the concatenated taps, projected by fc)."""
+        """Every row of the step as the state stash takes it: [num_tokens, R], whose `stash_project` is
+        target_states (EAGLE-3: the concatenated taps, a new tensor, projected by fc)."""
         ...
+
+    # stash_project: Callable [n, R] -> [n, H], or None when stash_rows are the states themselves (MTP)
 
     def layer(self, m: int, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
               max_position: int, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
@@ -104,13 +106,17 @@ class _Live:
 
 
 class HiddenStateDrafter:
-    def __init__(self, head: DraftHead, cache: DraftKVCache, stash: TargetStateStash | None = None) -> None:
+    def __init__(self, head: DraftHead, cache: DraftKVCache, stash_states: bool = False) -> None:
+        """stash_states: the target caches prefixes, so keep the head's inputs per target slot (the cache
+        mirrors the target's blocks; speculators/state_stash.py)."""
         self.head = head
         self.cache = cache
-        self.stash = stash           # set when the target caches prefixes (speculators/state_stash.py)
         self.n = head.num_layers
         self.device = cache.device
         self.dtype = next(head.parameters()).dtype   # activations; the KV cache may be wider (cache_dtype)
+        self.stash = None if not stash_states else TargetStateStash(
+            cache.num_blocks * cache.block_size, head.hidden_size, cache.block_size, self.dtype, self.device,
+            project=head.stash_project)
         self._seqs: dict[str, _HeadSeq] = {}
         self.num_prefix_catch_ups = 0     # requests whose cached prompt prefix the head read from the stash
         # reason -> count since the engine last drained it (spec_decode_refused_total):

@@ -18,7 +18,6 @@ from speculators.draft_kv import DraftKVCache, mirror_target_blocks
 from speculators.hidden_drafter import HiddenStateDrafter
 from speculators.mtp_head import MtpHead
 from speculators.mtp_loader import load_mtp_head
-from speculators.state_stash import TargetStateStash
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +26,11 @@ class MtpSpeculator:
     name = "mtp"
     aux_layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, head: MtpHead, cache: DraftKVCache, stash: TargetStateStash | None = None) -> None:
+    def __init__(self, head: MtpHead, cache: DraftKVCache, stash_states: bool = False) -> None:
         self.head = head
-        self.drafter = HiddenStateDrafter(head, cache, stash)
+        self.drafter = HiddenStateDrafter(head, cache, stash_states)
+        self.refusals = self.drafter.refusals               # spec_decode_refused_total, drained per step
+        self.records_states = stash_states                  # record() must see every target forward
 
     @classmethod
     def load(cls, model_dir: str | Path, runner, stash_states: bool = False) -> MtpSpeculator:
@@ -38,16 +39,11 @@ class MtpSpeculator:
         cfg = runner.cfg
         head = load_mtp_head(model_dir, cfg, runner.model.embed_tokens, runner.model.lm_head,
                              runner.dtype, runner.device)
-        num_blocks = runner.kv_caches[0][0].shape[0]
-        cache = mirror_target_blocks(num_blocks, runner.block_size, head.num_layers,
+        cache = mirror_target_blocks(runner.kv_caches[0][0].shape[0], runner.block_size, head.num_layers,
                                      cfg.num_key_value_heads, cfg.head_dim, runner.dtype, runner.device,
                                      f"MTP ({head.layout.name}, {head.num_layers} layer(s))")
         log.info("MTP speculator: %d %s layer(s) from %s", head.num_layers, head.layout.name, model_dir)
-        stash = None
-        if stash_states:
-            stash = TargetStateStash(num_blocks * runner.block_size, head.hidden_size, runner.block_size,
-                                     runner.dtype, runner.device)
-        return cls(head, cache, stash)
+        return cls(head, cache, stash_states)
 
     @property
     def cache(self) -> DraftKVCache:
@@ -59,11 +55,6 @@ class MtpSpeculator:
 
     def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
         return self.drafter.propose(requests, ks)
-
-    @property
-    def records_states(self) -> bool:
-        """Whether record() must see every target forward (a state stash exists)."""
-        return self.drafter.stash is not None
 
     def record(self, step: VerifiedStep, slot_mapping) -> None:
         self.drafter.record(step, slot_mapping)

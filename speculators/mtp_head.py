@@ -90,9 +90,11 @@ class MtpHead(nn.Module):
         states = step.prenorm_hidden if self.layout.prenorm_target else step.hidden
         return states.index_select(0, rows)
 
+    stash_project = None        # the stash keeps the target state itself
+
     def stash_rows(self, step: VerifiedStep) -> torch.Tensor:
-        """Every row's target state [num_tokens, H], copied (the stash needs no projection)."""
-        return (step.prenorm_hidden if self.layout.prenorm_target else step.hidden).clone()
+        """Every row's target state [num_tokens, H] (the stash copies it in at once: no projection)."""
+        return step.prenorm_hidden if self.layout.prenorm_target else step.hidden
 
     def layer(self, m: int, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
               max_position: int, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from sampling.truncation import apply_top_k_top_p
 from training import common
 from training.corpus import heldout_functions
 from training.eagle3 import Eagle3Head, aux_layer_ids
@@ -57,14 +58,14 @@ def greedy(model: LlamaLM, ids: list[int], new_tokens: int) -> list[int]:
 
 @torch.no_grad()
 def sample(model: LlamaLM, ids: list[int], new_tokens: int, temperature: float, top_p: float, seed: int) -> list[int]:
-    """The same loop drawing from the temperature-scaled nucleus (top_p) of each step's distribution."""
+    """The same loop drawing from the temperature-scaled nucleus (top_p, the server's own truncation)."""
     gen = torch.Generator().manual_seed(seed)
     seq = list(ids)
     for _ in range(new_tokens):
-        probs = (model(torch.tensor([seq]))[0, -1].float() / temperature).softmax(-1)
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < top_p                  # the smallest prefix reaching top_p
-        nxt = int(order[keep][torch.multinomial(sorted_p[keep], 1, generator=gen)])
+        logits = model(torch.tensor([seq]))[0, -1:].float() / temperature                  # [1, vocab]
+        kept = logits if top_p >= 1.0 else apply_top_k_top_p(
+            logits, torch.tensor([logits.shape[1]]), torch.tensor([top_p]), max_top_k=0, use_top_p=True)
+        nxt = int(torch.multinomial(kept.softmax(-1)[0], 1, generator=gen))
         seq.append(nxt)
         if nxt == 0:
             break

@@ -66,7 +66,7 @@ class SpecDispatcher:
         """Model-based drafters count what they could not do (no KV room: no drafts this step, or a cached
         prompt prefix left unseen); it goes to spec_decode_refused_total by reason."""
         for spec in self.speculators.values():
-            refusals = getattr(spec, "refusals", None) or getattr(getattr(spec, "drafter", None), "refusals", None)
+            refusals = getattr(spec, "refusals", None)
             if refusals:
                 for reason, count in refusals.items():
                     stats.spec_refused[reason] = stats.spec_refused.get(reason, 0) + count
