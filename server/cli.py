@@ -70,7 +70,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=e.num_threads, metavar="N",
                    help="torch intra-op threads on CPU. Default: torch's choice (all cores)")
     g.add_argument("--compile", action="store_true", default=e.compile,
-                   help="torch.compile the layer stacks of the target and draft model: fuses the small ops "
+                   help="torch.compile the layer stacks of the target and draft model (a draft with latency-tuned "
+                        "linears stays eager, see server/models/latency_tuning.py): fuses the small ops "
                         "between the matmuls (fewer dispatches per step, most useful at small batches); "
                         "start-up compiles one graph per model (tens of seconds on CPU the first time, "
                         "then cached by torch; needs a C++ compiler) (default: off)")

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from server.models.config import ModelConfig, load_config
+from server.models.latency_tuning import tune_for_latency
 from server.models.llama import LlamaForCausalLM
 from speculators.base import DraftProposal
 from speculators.draft_kv import DraftKVCache, DraftSeq, mirror_target_blocks
@@ -78,6 +79,7 @@ class DraftModelSpeculator:
         draft_cfg = load_config(draft_dir)
         check_same_vocabulary(target_tokenizer_dir, target_cfg.vocab_size, draft_dir, draft_cfg.vocab_size)
         model, cfg = load_model(draft_dir, dtype=dtype, device=device)
+        tune_for_latency(model, "draft model")     # drafts need speed, not batch-invariant rows
         cache = mirror_target_blocks(target_num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                      cfg.head_dim, dtype, device, f"draft model {Path(draft_dir).name}")
         return cls(model, cache, target_cfg.vocab_size)

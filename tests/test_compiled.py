@@ -65,7 +65,10 @@ def compiled_engine(tiny_model_dir):
 def test_compiled_engine_keeps_greedy_speculation_exact_without_recompiling(compiled_engine):
     eng = compiled_engine
     assert eng.engine.runner.model.model.compiled_stack is not None
-    assert eng.engine.spec.speculators["draft"].model.model.compiled_stack is not None
+    draft = eng.engine.spec.speculators["draft"].model
+    tuned = any(getattr(m, "fp32_weight", None) is not None for m in draft.modules())
+    # compiled, unless its linears were latency-tuned onto the fp32 route (then eager: builder.compile_models)
+    assert (draft.model.compiled_stack is None) == tuned
     tok = eng.engine.tokenizer
     prompts = [tok.encode(t) for t in ("def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
                                        "for i in range(10):\n    print(i)\nfor i in range(10):\n",

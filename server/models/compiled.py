@@ -37,7 +37,12 @@ import torch
 
 from server.models.attention import AttentionMetadata, paged_attention
 
-COMPILE_OPTIONS = {"cpp_wrapper": True, "size_asserts": False}
+COMPILE_OPTIONS = {"cpp_wrapper": True, "size_asserts": False,
+                   # Dynamo re-checks every module attribute the graph read before each call: ~0.37 ms per
+                   # target forward on the 2-core Xeon (profiler), ~0.12 ms without them. Our modules do not
+                   # change once compiled (weights are final, handles fixed); input-tensor and argument
+                   # guards (aux layer ids, dtypes) stay.
+                   "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 _MODULES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()

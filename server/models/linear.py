@@ -51,10 +51,13 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None     # opaque oneDNN copy of weight [out, in]; None = use F.linear
     handle: int = -1                       # key of this Linear for compiled graphs (server/models/compiled.py)
+    fp32_weight: torch.Tensor | None = None   # drafters only: F.linear on this fp32 copy (latency_tuning.py)
+    fp32_bias: torch.Tensor | None = None
 
     def pack(self) -> None:
         weight = self.weight
         self.packed = None
+        self.fp32_weight = self.fp32_bias = None      # a snapshot of the old weights: re-tune after packing
         if ONEDNN_PACKING and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES:
             try:
                 with torch.no_grad():
@@ -67,12 +70,21 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
         # The packed op has no autograd: with grad enabled (training) use the live weights.
+        if self.fp32_weight is not None and x.device.type == "cpu" and not torch.is_grad_enabled():
+            return F.linear(x.float(), self.fp32_weight, self.fp32_bias).to(x.dtype)
         if (self.packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu"
                 and not torch.is_grad_enabled()):
             if torch.compiler.is_compiling():   # the opaque packed weight cannot be traced: a custom op
                 return compiled.packed_linear_op(x, self.handle)
             return self.run_packed(x)
         return F.linear(x, self.weight, self.bias)
+
+    def use_fp32_route(self) -> None:
+        """Run as F.linear on an fp32 copy (MKL on CPU): faster for small products, but its rows depend on
+        the batch. Drafters only (server/models/latency_tuning.py); pack() undoes it."""
+        with torch.no_grad():
+            self.fp32_weight = self.weight.detach().float().contiguous()
+            self.fp32_bias = None if self.bias is None else self.bias.detach().float()
 
     def run_packed(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and x.shape[0] > BF16_ROW_BLOCK:
