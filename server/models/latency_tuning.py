@@ -6,16 +6,19 @@ token verified among drafts. A drafter has no such duty: the target verifies eve
 draft is checked against the draft_probs it was actually drawn from, so the drafter's numbers may come
 from any kernel. What a drafter needs is latency at 1-16 rows, where the packed oneDNN call is dominated
 by its fixed cost (~20 us per call on the 2-core Xeon, whatever the size: a 192x192 bf16 product costs 23
-us packed, 5 us through MKL's fp32 sgemv with the casts). A draft model or head makes 5-13 such calls per
-draft step, so the fixed cost is most of c, the draft/target step cost ratio.
+us packed, 5 us through MKL's fp32 sgemv with the casts). The embedded draft model makes 13 such calls per
+draft step; off the packed kernel its forward took ~0.9-1.0 ms instead of 1.3-1.8 (bf16, batch 1).
 
 `tune_for_latency(module)` times, for every packed Linear under `module`, the packed kernel against
 F.linear on an fp32 copy of the weight (MKL on CPU; the input is cast to fp32 and the result back), at
 the row counts a draft step sees, and keeps the fp32 route where it is clearly faster (by FAST_MARGIN).
-Large products (a 8192-row lm_head) usually stay packed: there bf16's halved weight bytes win.
+Large products (an 8192-row lm_head) usually stay packed: there bf16's halved weight bytes win.
 Each shape is timed once per process and the answer reused, so two engines built in one process (tests
-compare them) make the same choice. Never call it on a target model or on a module shared with one (an MTP head reusing the target's
-lm_head keeps that module out of its submodules for this reason).
+compare them) make the same choice.
+
+Used for the draft model (speculators/draft_model.py). The EAGLE-3 and MTP heads were measured with it too
+and gained nothing (their 512-wide linears are bandwidth-bound, README "fifth session"), so they keep the
+packed kernels. Never call it on a target model or on a module shared with one.
 """
 from __future__ import annotations
 
