@@ -7,8 +7,11 @@
 HF rows: plain generate(), assistant_model= (the draft model) and prompt_lookup_num_tokens= (n-gram), each
 on the same prompts with the same new-token count (HF: min_new_tokens = max_new_tokens; ours: ignore_eos).
 Our rows: a server this script starts (same dtype and thread count), driven by loadtest.serve's streaming
-client at concurrency 1, one row per speculation method the server offers. HF runs first, in this
-process, with the server not yet started, so the two never share the CPU. Printed: output tokens/s and the
+client at concurrency 1, one row per speculation method the server offers. HF runs in this process while
+the server idles (its engine thread sleeps), so the two never compete for the CPU. With --rounds R (default
+2) the whole comparison runs R times, HF first in odd rounds and ours first in even ones, and each row pools
+tokens and seconds over the rounds: on a VM whose speed drifts by tens of percent within minutes, a fixed
+order alone moved the ratios by ~20 %. Printed: output tokens/s and the
 ratios ours ÷ HF — plain vs none, draft vs assisted, ngram vs prompt lookup, and our best vs each.
 One more row, "ours offline": our engine in this process without HTTP (OfflineEngine, plain decoding, same
 prompts), so the cost of the serving path (engine thread hand-off, detokenizing, SSE, the client) shows as
@@ -100,10 +103,32 @@ def our_rows(url: str, sets: list[str], n: int, max_tokens: int, k: int, methods
             res = asyncio.run(serve_amain(ns))[0]
             acc = res["speculation"].get(method, {}).get("mean_acceptance_length")
             rows.append({"who": "ours", "method": method, "prompt_set": pset, "tok_per_s": res["output_throughput"],
+                         "output_tokens": res["total_output_tokens"], "seconds": res["duration_s"],
                          "mean_acceptance_length": acc, "failures": res.get("failed", 0)})
             print(f"ours {method:12s} {pset:18s} {res['output_throughput']:7.1f} tok/s"
                   + (f"  acceptance length {acc:.2f}" if acc else ""), flush=True)
     return rows
+
+
+def pool_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (who, method, prompt set): tokens and seconds summed over the rounds, tok/s from the sums
+    (acceptance length: the mean of the rounds'; failures: summed)."""
+    pooled: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["who"], r["method"], r["prompt_set"])
+        p = pooled.setdefault(key, {"who": r["who"], "method": r["method"], "prompt_set": r["prompt_set"],
+                                    "output_tokens": 0, "seconds": 0.0, "rounds": 0})
+        p["output_tokens"] += r["output_tokens"]
+        p["seconds"] += r["seconds"]
+        p["rounds"] += 1
+        if r.get("mean_acceptance_length"):
+            p["mean_acceptance_length"] = (p.get("mean_acceptance_length", 0.0) * (p["rounds"] - 1)
+                                           + r["mean_acceptance_length"]) / p["rounds"]
+        if "failures" in r:
+            p["failures"] = p.get("failures", 0) + r["failures"]
+    for p in pooled.values():
+        p["tok_per_s"] = p["output_tokens"] / p["seconds"]
+    return list(pooled.values())
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -150,13 +175,13 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides, HF and ours")
     ap.add_argument("--methods", default=None, help="our methods besides none (default: all loaded but prediction)")
     ap.add_argument("--compile", action="store_true", help="ours with --compile (torch.compile'd layer stacks)")
+    ap.add_argument("--rounds", type=int, default=2, help="repeat HF and ours, alternating which goes first")
     args = ap.parse_args(argv)
     if not (args.models / "target" / "config.json").is_file():
         raise SystemExit(f"{args.models}/target is missing: train the embedded family first (make train-embedded)")
     torch.set_num_threads(args.threads)
-    rows = hf_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.k, args.dtype)
-    rows += offline_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.threads, args.dtype,
-                         args.compile)
+    rows = offline_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.threads, args.dtype,
+                        args.compile)
     server_args = ["--model", str(args.models / "target"), "--dtype", args.dtype, "--num-threads", str(args.threads)]
     server_args += ["--compile"] if args.compile else []
     for flag, name in (("--draft-model", "draft"), ("--eagle3", "eagle3")):
@@ -164,16 +189,31 @@ def main(argv=None) -> None:
             server_args += [flag, str(args.models / name)]
     with started_server(None, server_args) as url:
         methods = args.methods.split(",") if args.methods else [m for m in offered_methods(url) if m != "prediction"]
-        rows += our_rows(url, args.prompt_sets, args.prompts, args.max_tokens, args.k, methods)
+        for rnd in range(args.rounds):
+            sides = [lambda: hf_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.k, args.dtype),
+                     lambda: our_rows(url, args.prompt_sets, args.prompts, args.max_tokens, args.k, methods)]
+            print(f"-- round {rnd + 1} of {args.rounds}: {'HF' if rnd % 2 == 0 else 'ours'} first", flush=True)
+            for side in (sides if rnd % 2 == 0 else sides[::-1]):
+                rows += [dict(r, round=rnd) for r in side()]
+    per_round = rows
+    rows = pool_rounds(rows)
     table = ratios(rows)
     print_table(table)
+    if args.rounds > 1:
+        spread = {}
+        for rnd in range(args.rounds):
+            for r in ratios([x for x in per_round if x.get("round") == rnd and x["who"] != "ours-offline"]):
+                spread.setdefault((r["prompt_set"], r["hf"]), []).append(r["ratio_best"])
+        print("ours best ÷ HF per round: " + "; ".join(
+            f"{pset} {mode} " + "/".join(f"{v:.2f}" for v in vals) for (pset, mode), vals in spread.items()))
     print("\nserving path cost at batch 1: " + "; ".join(serving_cost(rows)))
     out = RESULTS / time.strftime("baselines-%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     meta = {"command": "python -m loadtest.bench_baselines " + " ".join(argv or []), "machine": platform.platform(),
             "processor": platform.processor(), "torch": torch.__version__, "threads": args.threads,
-            "dtype": args.dtype, "compile": args.compile}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "ratios": table}, indent=2))
+            "dtype": args.dtype, "compile": args.compile, "rounds": args.rounds}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "per_round": per_round,
+                                                 "ratios": table}, indent=2))
     print(f"wrote {out / 'results.json'}")
 
 

@@ -66,6 +66,8 @@ def test_baselines_hf_and_ours_side_by_side(tiny_model_dir, server_url, tmp_path
     assert all(r["output_tokens"] == 16 and r["tok_per_s"] > 0 for r in hf)
     ours = bb.our_rows(server_url, ["code_completion"], 2, 8, 3, ["ngram"])
     assert [r["method"] for r in ours] == ["none", "ngram"] and all(r["failures"] == 0 for r in ours)
+    assert all(r["output_tokens"] == 16 and r["tok_per_s"] == pytest.approx(16 / r["seconds"], rel=1e-6)
+               for r in ours)
     table = bb.ratios(hf + ours)
     by_mode = {r["hf"]: r for r in table}
     assert by_mode["plain"]["ours_same"] == "none" and by_mode["prompt_lookup"]["ours_same"] == "ngram"
@@ -77,6 +79,24 @@ def test_baselines_hf_and_ours_side_by_side(tiny_model_dir, server_url, tmp_path
     assert bb.ratios(hf + ours + offline) == table                       # offline rows are not HF comparisons
     (line,) = bb.serving_cost(ours + offline)
     assert line.endswith(f"= {ours_tps['none'] / offline[0]['tok_per_s']:.2f}")
+
+
+def test_baseline_rounds_pool_tokens_and_seconds():
+    """bench_baselines --rounds: each (who, method, set) row pools its rounds' tokens and seconds, so a slow
+    round weighs by its time, not by a mean of ratios; acceptance is averaged and failures summed."""
+    from loadtest import bench_baselines as bb
+    rows = [{"who": "hf", "method": "plain", "prompt_set": "s", "output_tokens": 100, "seconds": 1.0, "round": 0},
+            {"who": "hf", "method": "plain", "prompt_set": "s", "output_tokens": 100, "seconds": 3.0, "round": 1},
+            {"who": "ours", "method": "ngram", "prompt_set": "s", "output_tokens": 100, "seconds": 0.5,
+             "mean_acceptance_length": 2.0, "failures": 0, "round": 0},
+            {"who": "ours", "method": "ngram", "prompt_set": "s", "output_tokens": 100, "seconds": 1.5,
+             "mean_acceptance_length": 3.0, "failures": 1, "round": 1}]
+    pooled = {r["who"]: r for r in bb.pool_rounds(rows)}
+    assert pooled["hf"]["tok_per_s"] == pytest.approx(200 / 4.0) and pooled["hf"]["rounds"] == 2
+    assert pooled["ours"]["tok_per_s"] == pytest.approx(200 / 2.0)
+    assert pooled["ours"]["mean_acceptance_length"] == pytest.approx(2.5) and pooled["ours"]["failures"] == 1
+    (row,) = [r for r in bb.ratios(list(pooled.values())) if r["hf"] == "plain"]
+    assert row["ratio_best"] == pytest.approx(100 / 50)
 
 
 def test_spec_sweep_writes_results_table_and_plots(server_url, tmp_path, monkeypatch):
