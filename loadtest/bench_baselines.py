@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -209,7 +210,7 @@ def main(argv=None) -> None:
     print("\nserving path cost at batch 1: " + "; ".join(serving_cost(rows)))
     out = RESULTS / time.strftime("baselines-%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
-    meta = {"command": "python -m loadtest.bench_baselines " + " ".join(argv or []), "machine": platform.platform(),
+    meta = {"command": "python -m loadtest.bench_baselines " + " ".join(sys.argv[1:] if argv is None else argv), "machine": platform.platform(),
             "processor": platform.processor(), "torch": torch.__version__, "threads": args.threads,
             "dtype": args.dtype, "compile": args.compile, "rounds": args.rounds}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "per_round": per_round,
