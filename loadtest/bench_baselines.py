@@ -123,12 +123,14 @@ def pool_rounds(rows: list[dict]) -> list[dict]:
         p["seconds"] += r["seconds"]
         p["rounds"] += 1
         if r.get("mean_acceptance_length"):
-            p["mean_acceptance_length"] = (p.get("mean_acceptance_length", 0.0) * (p["rounds"] - 1)
-                                           + r["mean_acceptance_length"]) / p["rounds"]
+            p.setdefault("_acc", []).append(r["mean_acceptance_length"])
         if "failures" in r:
             p["failures"] = p.get("failures", 0) + r["failures"]
     for p in pooled.values():
         p["tok_per_s"] = p["output_tokens"] / p["seconds"]
+        if "_acc" in p:
+            acc = p.pop("_acc")
+            p["mean_acceptance_length"] = sum(acc) / len(acc)
     return list(pooled.values())
 
 
@@ -210,7 +212,8 @@ def main(argv=None) -> None:
     print("\nserving path cost at batch 1: " + "; ".join(serving_cost(rows)))
     out = RESULTS / time.strftime("baselines-%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
-    meta = {"command": "python -m loadtest.bench_baselines " + " ".join(sys.argv[1:] if argv is None else argv), "machine": platform.platform(),
+    command = "python -m loadtest.bench_baselines " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = {"command": command, "machine": platform.platform(),
             "processor": platform.processor(), "torch": torch.__version__, "threads": args.threads,
             "dtype": args.dtype, "compile": args.compile, "rounds": args.rounds}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "per_round": per_round,

@@ -126,7 +126,8 @@ def main(argv=None) -> None:
     print(f"\n{'concurrency':>11s} {'method':>7s} {'vLLM tok/s':>11s} {'ours tok/s':>11s} {'ours/vLLM':>10s}")
     for t in table:
         print(f"{t['concurrency']:11d} {t['method']:>7s} {t['vllm']:11.1f} {t['ours']:11.1f} {t['ratio']:10.2f}")
-    meta = {"command": "python -m loadtest.bench_vllm " + " ".join(sys.argv[1:] if argv is None else argv), "machine": platform.platform(),
+    command = "python -m loadtest.bench_vllm " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = {"command": command, "machine": platform.platform(),
             "threads": args.threads, "dtype": args.dtype, "compile": args.compile}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=2))
     print(f"wrote {out / 'results.json'}")

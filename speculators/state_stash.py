@@ -68,7 +68,7 @@ class TargetStateStash:
         if not self._pending:
             return
         raw = torch.cat([r for _, r in self._pending])                                 # [rows, R]
-        states = (raw if self.project is None else self.project(raw)).to(self.states.dtype)
+        states = self.project(raw).to(self.states.dtype)                 # only queued with a projection
         offset = 0
         for slots, rows in self._pending:                                           # oldest first
             n = rows.shape[0]

@@ -9,6 +9,7 @@ from sampling.params import SamplingParams
 from server.config import EngineConfig
 from server.engine.offline import OfflineEngine
 from server.models.attention import build_attention_metadata
+from server.models.latency_tuning import is_latency_tuned
 from server.models.loader import load_model
 from speculators.base import SpecParams
 
@@ -66,7 +67,7 @@ def test_compiled_engine_keeps_greedy_speculation_exact_without_recompiling(comp
     eng = compiled_engine
     assert eng.engine.runner.model.model.compiled_stack is not None
     draft = eng.engine.spec.speculators["draft"].model
-    tuned = any(getattr(m, "fp32_weight", None) is not None for m in draft.modules())
+    tuned = is_latency_tuned(draft)
     # compiled, unless its linears were latency-tuned onto the fp32 route (then eager: builder.compile_models)
     assert (draft.model.compiled_stack is None) == tuned
     tok = eng.engine.tokenizer

@@ -120,11 +120,12 @@ def compile_models(runner: ModelRunner, speculators: dict) -> None:
     """torch.compile the target's (and a draft model's) layer stack and compile the graphs now, before
     any request exists (server/models/compiled.py)."""
     from server.models.compiled import warm_up
+    from server.models.latency_tuning import is_latency_tuned
     start = time.perf_counter()
     models = [(runner.model, runner.kv_caches, runner.aux_layer_ids)]
     if "draft" in speculators:
         draft = speculators["draft"].model
-        if any(getattr(m, "fp32_weight", None) is not None for m in draft.modules()):
+        if is_latency_tuned(draft):
             # Its small linears run on MKL's fp32 route (server/models/latency_tuning.py), which beats the
             # compiled packed graph (1.0 vs 1.3-1.8 ms per draft forward) and which inductor's C++ wrapper
             # fails to compile between bf16 ops.

@@ -64,6 +64,11 @@ def route_times(linear: Linear) -> tuple[float, float]:
     return packed, fp32
 
 
+def is_latency_tuned(module: torch.nn.Module) -> bool:
+    """Whether any Linear under `module` runs on the fp32 route."""
+    return any(isinstance(m, Linear) and m.fp32_weight is not None for m in module.modules())
+
+
 def tune_for_latency(module: torch.nn.Module, label: str = "drafter") -> dict[str, str]:
     """Pick packed or fp32 per packed Linear under `module`; returns {name: "packed" | "fp32"}."""
     chosen: dict[str, str] = {}
