@@ -14,8 +14,8 @@ def n_tokens(tokenizer, text: str) -> int:
 
 
 def test_string_prompt_usage_is_exact(client, hf_tokenizer):
-    r = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=7, logprobs=0,
-                                  extra_body=LONG)
+    r = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=7, logprobs=0, temperature=0,
+                                  extra_body=LONG)     # greedy: a sampled byte token would split a character
     assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == SERVED_NAME
     (choice,) = r.choices
     assert choice.index == 0 and choice.finish_reason == "length"
@@ -23,6 +23,20 @@ def test_string_prompt_usage_is_exact(client, hf_tokenizer):
     assert r.usage.completion_tokens == 7 == len(choice.logprobs.tokens)
     assert r.usage.total_tokens == r.usage.prompt_tokens + 7
     assert "".join(choice.logprobs.tokens) == choice.text
+
+
+def test_text_ending_inside_a_character_is_flushed(client, hf_tokenizer):
+    """A reply cut mid-character ends in U+FFFD, exactly as decoding its tokens gives; nothing is dropped."""
+    rocket = hf_tokenizer("🚀", add_special_tokens=False).input_ids
+    assert len(rocket) > 1                                   # byte fallback: one token per UTF-8 byte
+    for n in range(1, len(rocket)):
+        bias = {str(rocket[0]): 100}                         # force the first byte of the rocket, n times
+        r = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=n, logit_bias=bias,
+                                      extra_body=LONG)
+        assert r.choices[0].text == hf_tokenizer.decode([rocket[0]] * n) and r.choices[0].text.endswith("\ufffd")
+        chunks = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=n, logit_bias=bias,
+                                           stream=True, extra_body=LONG)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
 def test_default_max_tokens_is_16(client):

@@ -5,6 +5,9 @@ window no longer ends in U+FFFD. Two offsets bound the window (the prefix/read-o
 tokens[prefix_offset:read_offset] were decoded last time; tokens[prefix_offset:] is decoded now, and
 the difference is the new text.
 
+When the request finishes, tokens still waiting for the rest of a character are flushed as U+FFFD,
+so the final text always equals decoding every output token at once (what `tokenizer.decode` gives).
+
 Stop strings are searched in the committed text, starting far enough back to catch a match that
 straddles the previous piece. While streaming, a text tail that could still grow into a stop string
 is held back, so a stop string is never emitted, not even in part.
@@ -53,7 +56,17 @@ class IncrementalDetokenizer:
         self.text = self.text[:idx + (len(s) if self.include_stop_str else 0)]
         return s
 
+    def flush(self) -> None:
+        """Commit tokens held back for an unfinished character (they decode to U+FFFD)."""
+        if self.read_offset < len(self.tokens):
+            prefix_text = self.tok.decode(self.tokens[self.prefix_offset:self.read_offset])
+            new_text = self.tok.decode(self.tokens[self.prefix_offset:])
+            self.text += new_text[len(prefix_text):]
+            self.prefix_offset = self.read_offset = len(self.tokens)
+
     def delta(self, finished: bool) -> str:
+        if finished:
+            self.flush()
         end = len(self.text)
         if not finished and self.stop:
             end -= self._held_back()
