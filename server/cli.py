@@ -13,13 +13,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-# OpenMP worker threads that spin between torch ops take the CPU from the event loop, the HTTP client and
-# the engine thread's own Python: measured at batch 1 on 2 cores (embedded target, fp32, 2 threads),
-# plain decoding through HTTP ran 27.4 tok/s with OMP_WAIT_POLICY=ACTIVE, 32.9 with libgomp's default and
-# 35.1 with PASSIVE (the same engine offline: 38.2). It must be set before torch loads libgomp, i.e. here,
-# before anything imports torch; a value the user set wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from server.api.lifecycle import LifecycleConfig
 from server.api.limits import Limits
 from server.config import (

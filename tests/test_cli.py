@@ -76,14 +76,11 @@ def test_bad_flags_exit_2_with_a_message(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("preset, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_openmp_threads_sleep_instead_of_spinning_unless_the_user_says(preset, expected):
-    """The server sets OMP_WAIT_POLICY=PASSIVE before torch (and so libgomp) is loaded: spinning OpenMP
-    workers starve the event loop on small machines. A value in the environment is kept."""
+def test_the_server_leaves_the_openmp_wait_policy_to_libgomp():
+    """No OMP_WAIT_POLICY of our own: PASSIVE cost 1.4-1.7x at batch 1 once the builder's worker pool is
+    released (server/engine/omp_pool.py). Importing the CLI must not load torch either."""
     import os
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if preset:
-        env["OMP_WAIT_POLICY"] = preset
-    code = "import os, sys, server.cli; print('torch' in sys.modules, os.environ['OMP_WAIT_POLICY'])"
+    code = "import os, sys, server.cli; print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", expected]
+    assert out.stdout.split() == ["False", "None"]

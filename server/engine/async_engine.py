@@ -5,6 +5,10 @@ asyncio.Queue that the engine thread fills through `loop.call_soon_threadsafe` o
 consumer stops iterating (client disconnected, task cancelled), the request is aborted at the next step
 boundary and its KV blocks are freed.
 
+CPU threads: the builder's OpenMP worker pool is released before the engine thread starts, so the
+engine thread's pool is the only one (server/engine/omp_pool.py; the server decoded at 0.63x of the
+offline engine while both lived).
+
 Failure containment: a request the engine refuses to add (any exception, not only ValueError) fails
 alone and is cleaned up; an exception inside `step()` marks the engine dead (`dead`), and every
 request in flight or arriving later gets EngineDeadError instead of waiting forever.
@@ -21,6 +25,7 @@ from sampling.params import SamplingParams
 from server.config import EngineConfig, parse_speculation
 from server.engine.engine import Engine
 from server.engine.errors import EngineDeadError
+from server.engine.omp_pool import release_thread_pool
 from server.engine.outputs import RequestOutput
 from server.engine.stats import StepStats
 from speculators.base import SpecParams
@@ -42,6 +47,9 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
         self.dead: BaseException | None = None
+        # The thread that built the engine hands its OpenMP workers over: two live pools on a small CPU
+        # make every parallel op of a step wait for wake-ups (server/engine/omp_pool.py).
+        release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._thread.start()
 
