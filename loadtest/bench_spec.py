@@ -123,7 +123,10 @@ def plot(results: list[dict], out: Path) -> None:
             ax.plot(range(1, best["k"] + 1), best["per_pos"][:best["k"]], marker="o", label=f"{m} k={best['k']}")
     ax.set(xlabel="draft position", ylabel="acceptance rate",
            title=f"per-position acceptance, {results[0]['prompt_set']}, concurrency {lowest[0]}, T={lowest[1]}")
-    ax.legend()
+    if ax.lines:
+        ax.legend()
+    else:   # e.g. a sweep of `none` alone: say so instead of an empty legend
+        ax.text(0.5, 0.5, "no speculative run here", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(out / "per_position_acceptance.png", dpi=110)
 

@@ -99,6 +99,7 @@ def test_baseline_rounds_pool_tokens_and_seconds():
     assert row["ratio_best"] == pytest.approx(100 / 50)
 
 
+@pytest.mark.filterwarnings("error::UserWarning")     # e.g. matplotlib's empty-legend warning
 def test_spec_sweep_writes_results_table_and_plots(server_url, tmp_path, monkeypatch):
     """loadtest.bench_spec against a running server: every grid point measured, a speedup table whose
     `none` rows carry absolute tok/s and whose ngram rows carry a ratio and τ, and the three PNG plots."""
