@@ -4,13 +4,16 @@
       --num-prompts 64 [--request-rate 4] [--goodput ttft:500 tpot:50] [--output-json out.json]
 
 Fixed concurrency by default; with --request-rate, arrivals are Poisson at that rate (capped by the
-concurrency). Reports TTFT, TPOT, ITL, E2EL (mean/p50/p90/p99, ms), request and output-token
+concurrency). The client is aiohttp reading the SSE lines itself (loadtest/sse_client.py: a quarter of the
+official client's CPU per chunk, which on a small machine is CPU the server does not get); `--client openai`
+sends the same requests through the official `openai` package instead. Reports TTFT, TPOT, ITL, E2EL (mean/p50/p90/p99, ms), request and output-token
 throughput, goodput, failures, and acceptance per method from the server's /metrics before and after.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -20,12 +23,18 @@ import httpx
 
 from loadtest.prompt_sets import load_prompt_set
 from loadtest.request_builder import build_request
-from loadtest.serve_metrics import RequestRecord, parse_spec_counters, spec_delta, summarize
+from loadtest.serve_metrics import (
+    RequestRecord,
+    parse_spec_counters,
+    spec_delta,
+    summarize,
+)
+from loadtest.sse_client import stream_completion
 
 
-async def one_request(client, body: dict) -> RequestRecord:
+async def openai_request(client, body: dict) -> RequestRecord:
+    """The same measurement through the official client (`--client openai`)."""
     t0 = time.perf_counter()
-    last = None
     rec = RequestRecord(ok=False)
     try:
         stream = await client.completions.create(**body)
@@ -35,21 +44,14 @@ async def one_request(client, body: dict) -> RequestRecord:
                 rec.output_tokens = chunk.usage.completion_tokens
                 rec.prompt_tokens = chunk.usage.prompt_tokens
             if chunk.choices and chunk.choices[0].text:
-                if last is None:
-                    rec.ttft = now - t0
-                else:
-                    rec.itl.append(now - last)
-                last = now
-        rec.e2el = (last or time.perf_counter()) - t0
-        rec.ok = last is not None
-        if not rec.ok:
-            rec.error = "no content"
+                rec.content_at(t0, now)
+        rec.close(t0, time.perf_counter())
     except Exception as exc:   # noqa: BLE001 - a benchmark records failures, it does not stop
         rec.error = f"{type(exc).__name__}: {exc}"[:200]
     return rec
 
 
-async def run_level(args, client, prompts: list[dict], concurrency: int, model: str) -> tuple[list, float]:
+async def run_level(args, send, prompts: list[dict], concurrency: int, model: str) -> tuple[list, float]:
     sem = asyncio.Semaphore(concurrency)
     rng = random.Random(args.seed)
     done = 0
@@ -58,7 +60,7 @@ async def run_level(args, client, prompts: list[dict], concurrency: int, model: 
     async def task(i: int, prompt: dict) -> RequestRecord:
         nonlocal done
         async with sem:
-            rec = await one_request(client, build_request(model, prompt, args))
+            rec = await send(build_request(model, prompt, args))
         done += 1
         if not args.quiet:
             bar = "#" * (30 * done // total)
@@ -87,28 +89,46 @@ def print_table(results: list[dict]) -> None:
                f"{r['output_throughput']:.1f}", f"{r['ttft_ms']['p50']:.0f}", f"{r['ttft_ms']['p99']:.0f}",
                f"{r['tpot_ms']['p50']:.1f}", f"{r['itl_ms']['p50']:.1f}", f"{r['itl_ms']['p99']:.1f}",
                f"{r['e2el_ms']['p50']:.0f}", acc]
-        print(" | ".join(f"{str(c):>10}" for c in row))
+        print(" | ".join(f"{c!s:>10}" for c in row))
 
 
 async def amain(args) -> list[dict]:
-    import openai
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    client = openai.AsyncOpenAI(base_url=f"{args.url}/v1", api_key=args.api_key or "none",
-                                max_retries=0, timeout=args.timeout)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=30) as http:
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=30) as http, \
+            _sender(args, headers) as send:
         model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
         prompts = load_prompt_set(args.prompt_set, args.num_prompts, args.seed)
         results = []
         for c in args.concurrency:
             before = parse_spec_counters((await http.get("/metrics")).text)
-            records, duration = await run_level(args, client, prompts, c, model)
+            records, duration = await run_level(args, send, prompts, c, model)
             after = parse_spec_counters((await http.get("/metrics")).text)
             res = {"concurrency": c, "method": args.method, "k": args.k, "model": model,
                    "prompt_set": args.prompt_set, "temperature": args.temperature,
+                   "client": getattr(args, "client", "aiohttp"),
                    **summarize(records, duration, args.goodput), "speculation": spec_delta(before, after)}
             results.append(res)
-    await client.close()
     return results
+
+
+@contextlib.asynccontextmanager
+async def _sender(args, headers: dict[str, str]):
+    """An async `send(body) -> RequestRecord` on one connection pool, for the chosen client."""
+    if getattr(args, "client", "aiohttp") == "openai":
+        import openai
+        client = openai.AsyncOpenAI(base_url=f"{args.url}/v1", api_key=args.api_key or "none",
+                                    max_retries=0, timeout=args.timeout)
+        try:
+            yield lambda body: openai_request(client, body)
+        finally:
+            await client.close()
+        return
+    import aiohttp
+    url = f"{args.url}/v1/completions"
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    # no connection cap below the concurrency: aiohttp's default of 100 would queue requests silently
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        yield lambda body: stream_completion(session, url, body, headers)
 
 
 def parse_args(argv=None):
@@ -131,6 +151,8 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--client", choices=["aiohttp", "openai"], default="aiohttp",
+                    help="aiohttp with a hand-rolled SSE reader (default, light), or the official openai client")
     args = ap.parse_args(argv)
     args.goodput = {k: float(v) for k, v in (s.split(":") for s in args.goodput)}
     return args

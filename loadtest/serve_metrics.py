@@ -21,6 +21,22 @@ class RequestRecord:
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str = ""
+    last_chunk: float | None = None      # perf_counter() of the latest content chunk
+
+    def content_at(self, t0: float, now: float) -> None:
+        """A chunk with content arrived at `now` (the request was sent at t0): TTFT first, ITL after."""
+        if self.last_chunk is None:
+            self.ttft = now - t0
+        else:
+            self.itl.append(now - self.last_chunk)
+        self.last_chunk = now
+
+    def close(self, t0: float, now: float) -> None:
+        """The stream ended at `now`: E2EL to the last content chunk; no content at all is a failure."""
+        self.e2el = (self.last_chunk or now) - t0
+        self.ok = self.last_chunk is not None
+        if not self.ok:
+            self.error = "no content"
 
     @property
     def tpot(self) -> float | None:
