@@ -9,13 +9,15 @@ on the same prompts with the same new-token count (HF: min_new_tokens = max_new_
 Our rows: a server this script starts (same dtype and thread count), driven by loadtest.serve's streaming
 client at concurrency 1, one row per speculation method the server offers. HF runs in this process while
 the server idles (its engine thread sleeps), so the two never compete for the CPU. With --rounds R (default
-2) the whole comparison runs R times, HF first in odd rounds and ours first in even ones, and each row pools
+2) the whole comparison runs R times, in the order HF, ours, ours offline in odd rounds and reversed in even
+ones, and each row pools
 tokens and seconds over the rounds: on a VM whose speed drifts by tens of percent within minutes, a fixed
 order alone moved the ratios by ~20 %. Printed: output tokens/s and the
 ratios ours ÷ HF — plain vs none, draft vs assisted, ngram vs prompt lookup, and our best vs each.
-One more row, "ours offline": our engine in this process without HTTP (OfflineEngine, plain decoding, same
-prompts), so the cost of the serving path (engine thread hand-off, detokenizing, SSE, the client) shows as
-the ratio HTTP none ÷ offline none.
+"ours offline" rows: our engine in this process without HTTP (OfflineEngine; none and ngram by default, same
+prompts, a third side of every round), so the cost of the serving path (engine thread hand-off, detokenizing,
+SSE, the client on the same cores) shows as HTTP none ÷ offline none, and a second table compares the engine
+alone with HF generate(), neither behind HTTP.
 """
 from __future__ import annotations
 
@@ -69,28 +71,33 @@ def hf_rows(models: Path, sets: list[str], n: int, max_tokens: int, k: int, dtyp
     return rows
 
 
-def offline_rows(models: Path, sets: list[str], n: int, max_tokens: int, threads: int, dtype: str,
-                 compile_: bool = False) -> list[dict]:
-    """Our engine without the server: plain greedy decoding, one prompt at a time, as HF runs."""
-    from sampling.params import SamplingParams
+def offline_engine(models: Path, threads: int, dtype: str, compile_: bool = False):
     from server.config import EngineConfig
     from server.engine.offline import OfflineEngine
+    return OfflineEngine.from_config(EngineConfig(model=str(models / "target"), dtype=dtype, num_threads=threads,
+                                                  kv_cache_memory_gb=0.25, compile=compile_))
+
+
+def offline_rows(eng, sets: list[str], n: int, max_tokens: int, k: int,
+                 methods: tuple[str, ...] = ("none",)) -> list[dict]:
+    """Our engine without the server, one prompt at a time as HF runs: greedy, each method at k."""
+    from sampling.params import SamplingParams
     from speculators.base import SpecParams
-    eng = OfflineEngine.from_config(EngineConfig(model=str(models / "target"), dtype=dtype, num_threads=threads,
-                                                 kv_cache_memory_gb=0.25, compile=compile_))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
     for pset in sets:
-        tokens, seconds = 0, 0.0
-        for r in load_prompt_set(pset, n, 0):
-            ids = eng.engine.tokenizer.encode(r["prompt"])
-            t0 = time.perf_counter()
-            out = eng.generate([ids], params, SpecParams())[0]
-            seconds += time.perf_counter() - t0
-            tokens += len(out.token_ids)
-        rows.append({"who": "ours-offline", "method": "none", "prompt_set": pset, "output_tokens": tokens,
-                     "seconds": seconds, "tok_per_s": tokens / seconds})
-        print(f"ours offline none    {pset:18s} {tokens / seconds:7.1f} tok/s", flush=True)
+        for method in methods:
+            spec = SpecParams(method=method, num_speculative_tokens=0 if method == "none" else k)
+            tokens, seconds = 0, 0.0
+            for r in load_prompt_set(pset, n, 0):
+                ids = eng.engine.tokenizer.encode(r["prompt"])
+                t0 = time.perf_counter()
+                out = eng.generate([ids], params, spec)[0]
+                seconds += time.perf_counter() - t0
+                tokens += len(out.token_ids)
+            rows.append({"who": "ours-offline", "method": method, "prompt_set": pset, "output_tokens": tokens,
+                         "seconds": seconds, "tok_per_s": tokens / seconds})
+            print(f"ours offline {method:7s} {pset:18s} {tokens / seconds:7.1f} tok/s", flush=True)
     return rows
 
 
@@ -134,11 +141,15 @@ def pool_rounds(rows: list[dict]) -> list[dict]:
     return list(pooled.values())
 
 
-def ratios(rows: list[dict]) -> list[dict]:
+def ratios(rows: list[dict], who: str = "ours") -> list[dict]:
+    """Per prompt set and HF mode: `who`'s same method and best method ÷ HF (who: "ours" through HTTP, or
+    "ours-offline", the engine alone)."""
     out = []
     for pset in sorted({r["prompt_set"] for r in rows}):
         hf = {r["method"]: r["tok_per_s"] for r in rows if r["who"] == "hf" and r["prompt_set"] == pset}
-        ours = {r["method"]: r["tok_per_s"] for r in rows if r["who"] == "ours" and r["prompt_set"] == pset}
+        ours = {r["method"]: r["tok_per_s"] for r in rows if r["who"] == who and r["prompt_set"] == pset}
+        if not ours:
+            continue
         best = max(ours, key=ours.get)
         for hf_mode, tps in hf.items():
             same = HF_VS_OURS[hf_mode]
@@ -179,33 +190,42 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", default=None, help="our methods besides none (default: all loaded but prediction)")
     ap.add_argument("--compile", action="store_true", help="ours with --compile (torch.compile'd layer stacks)")
     ap.add_argument("--rounds", type=int, default=2, help="repeat HF and ours, alternating which goes first")
+    ap.add_argument("--offline-methods", default="none,ngram",
+                    help="methods the engine runs without HTTP (none is needed for the serving-path cost)")
     args = ap.parse_args(argv)
     if not (args.models / "target" / "config.json").is_file():
         raise SystemExit(f"{args.models}/target is missing: train the embedded family first (make train-embedded)")
     torch.set_num_threads(args.threads)
-    rows = offline_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.threads, args.dtype,
-                        args.compile)
+    eng = offline_engine(args.models, args.threads, args.dtype, args.compile)
+    offline_methods = tuple(args.offline_methods.split(","))
     server_args = ["--model", str(args.models / "target"), "--dtype", args.dtype, "--num-threads", str(args.threads)]
     server_args += ["--compile"] if args.compile else []
     for flag, name in (("--draft-model", "draft"), ("--eagle3", "eagle3")):
         if (args.models / name / "config.json").is_file():
             server_args += [flag, str(args.models / name)]
+    rows = []
     with started_server(None, server_args) as url:
         methods = args.methods.split(",") if args.methods else [m for m in offered_methods(url) if m != "prediction"]
+        sides = {"HF": lambda: hf_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.k, args.dtype),
+                 "ours": lambda: our_rows(url, args.prompt_sets, args.prompts, args.max_tokens, args.k, methods),
+                 "ours offline": lambda: offline_rows(eng, args.prompt_sets, args.prompts, args.max_tokens, args.k,
+                                                      offline_methods)}
         for rnd in range(args.rounds):
-            sides = [lambda: hf_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.k, args.dtype),
-                     lambda: our_rows(url, args.prompt_sets, args.prompts, args.max_tokens, args.k, methods)]
-            print(f"-- round {rnd + 1} of {args.rounds}: {'HF' if rnd % 2 == 0 else 'ours'} first", flush=True)
-            for side in (sides if rnd % 2 == 0 else sides[::-1]):
-                rows += [dict(r, round=rnd) for r in side()]
+            order = list(sides) if rnd % 2 == 0 else list(sides)[::-1]
+            print(f"-- round {rnd + 1} of {args.rounds}: " + ", ".join(order), flush=True)
+            for name in order:
+                rows += [dict(r, round=rnd) for r in sides[name]()]
     per_round = rows
     rows = pool_rounds(rows)
     table = ratios(rows)
     print_table(table)
+    offline_table = ratios(rows, who="ours-offline")
+    print("\nthe engine alone (no HTTP on either side):")
+    print_table(offline_table)
     if args.rounds > 1:
         spread = {}
         for rnd in range(args.rounds):
-            for r in ratios([x for x in per_round if x.get("round") == rnd and x["who"] != "ours-offline"]):
+            for r in ratios([x for x in per_round if x.get("round") == rnd]):
                 spread.setdefault((r["prompt_set"], r["hf"]), []).append(r["ratio_best"])
         print("ours best ÷ HF per round: " + "; ".join(
             f"{pset} {mode} " + "/".join(f"{v:.2f}" for v in vals) for (pset, mode), vals in spread.items()))
@@ -217,7 +237,7 @@ def main(argv=None) -> None:
             "processor": platform.processor(), "torch": torch.__version__, "threads": args.threads,
             "dtype": args.dtype, "compile": args.compile, "rounds": args.rounds}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "per_round": per_round,
-                                                 "ratios": table}, indent=2))
+                                                 "ratios": table, "ratios_offline": offline_table}, indent=2))
     print(f"wrote {out / 'results.json'}")
 
 

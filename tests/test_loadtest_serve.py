@@ -74,9 +74,14 @@ def test_baselines_hf_and_ours_side_by_side(tiny_model_dir, server_url, tmp_path
     ours_tps = {r["method"]: r["tok_per_s"] for r in ours}
     assert by_mode["plain"]["ratio_same"] == pytest.approx(ours_tps["none"] / hf[0]["tok_per_s"])
     assert by_mode["plain"]["ratio_best"] == pytest.approx(max(ours_tps.values()) / hf[0]["tok_per_s"])
-    offline = bb.offline_rows(tmp_path, ["code_completion"], 2, 8, 1, "float32")
-    assert [(r["who"], r["method"], r["output_tokens"]) for r in offline] == [("ours-offline", "none", 16)]
-    assert bb.ratios(hf + ours + offline) == table                       # offline rows are not HF comparisons
+    offline = bb.offline_rows(bb.offline_engine(tmp_path, 1, "float32"), ["code_completion"], 2, 8, 3,
+                              ("none", "ngram"))
+    assert [(r["who"], r["method"], r["output_tokens"]) for r in offline] == [("ours-offline", "none", 16),
+                                                                              ("ours-offline", "ngram", 16)]
+    assert bb.ratios(hf + ours + offline) == table                       # offline rows are not HTTP rows
+    engine_alone = {r["hf"]: r for r in bb.ratios(hf + ours + offline, who="ours-offline")}
+    assert engine_alone["prompt_lookup"]["ours_same"] == "ngram"
+    assert engine_alone["prompt_lookup"]["ratio_same"] == pytest.approx(offline[1]["tok_per_s"] / hf[1]["tok_per_s"])
     (line,) = bb.serving_cost(ours + offline)
     assert line.endswith(f"= {ours_tps['none'] / offline[0]['tok_per_s']:.2f}")
 
