@@ -5,6 +5,12 @@
 
 Writes loadtest/results/<stamp>/results.json and PNG plots: speedup vs concurrency per method,
 mean acceptance length per method and prompt set, per-position acceptance.
+
+Every ratio divides by the `none` row of the same cell (concurrency, temperature, prompt set). On a VM whose
+speed drifts by tens of percent within minutes one `none` measurement per cell is not enough (a 2-core EPYC
+run gave none 1080 tok/s at concurrency 8 and 920 at 16 in one sweep). `--rounds R` measures each cell R
+times back to back, its points in forward then reverse order, and pools each point's rounds: tokens/s from
+summed tokens and seconds, acceptance from summed counters (`pool_rounds`).
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from types import SimpleNamespace
 import httpx
 
 from loadtest.serve import amain as serve_amain
-from loadtest.serve_metrics import parse_spec_counters
+from loadtest.serve_metrics import parse_spec_counters, spec_delta
 from loadtest.server_proc import offered_methods, started_server
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,6 +74,42 @@ def grid(args, methods: list[str]):
                         continue
                     for k in args.ks:
                         yield method, k, conc, temp, pset
+
+
+def by_cell(points: list[tuple]) -> list[list[tuple]]:
+    """Grid points (method, k, concurrency, T, prompt set) grouped by cell, in grid order."""
+    cells: dict[tuple, list[tuple]] = {}
+    for p in points:
+        cells.setdefault(p[2:], []).append(p)
+    return list(cells.values())
+
+
+def pool_rounds(rounds: list[dict]) -> dict:
+    """One grid point measured in several rounds -> one result. Throughput: summed tokens ÷ summed seconds;
+    acceptance: from the summed counters; per-position acceptance: weighted by each round's drafts; latency
+    percentiles: the mean of the rounds'. The rounds themselves are kept under "rounds"."""
+    if len(rounds) == 1:
+        return rounds[0]
+    tokens = sum(r["total_output_tokens"] for r in rounds)
+    seconds = sum(r["duration_s"] for r in rounds)
+    completed = sum(r["completed"] for r in rounds)
+    counters: dict[str, dict[str, float]] = {}
+    for r in rounds:
+        for m, d in r["speculation"].items():
+            c = counters.setdefault(m, {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0})
+            for key in c:
+                c[key] += d[key]
+    method = rounds[0]["method"]
+    weights = [r["speculation"].get(method, {}).get("drafts", 0.0) if r["per_pos"] else 0.0 for r in rounds]
+    width = max(len(r["per_pos"]) for r in rounds)
+    per_pos = [sum(w * (r["per_pos"][p] if p < len(r["per_pos"]) else 0.0) for w, r in zip(weights, rounds))
+               / sum(weights) for p in range(width)] if sum(weights) else []
+    latency = {name: {q: sum(r[name][q] for r in rounds) / len(rounds) for q in rounds[0][name]}
+               for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}
+    return {**rounds[0], **latency, "completed": completed, "failed": sum(r["failed"] for r in rounds),
+            "duration_s": seconds, "total_output_tokens": tokens, "output_throughput": tokens / seconds,
+            "request_throughput": completed / seconds, "speculation": spec_delta({}, counters),
+            "per_pos": per_pos, "rounds": rounds}
 
 
 def _cell(r: dict) -> tuple:
@@ -144,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts-per-slot", type=int, default=2)
     ap.add_argument("--min-prompts", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=1, help="measure every cell this many times (order alternating)")
     ap.add_argument("--quick", action="store_true", help="k=4, concurrency 1,4, T=0, two prompt sets")
     args = ap.parse_args(argv)
     if args.quick:
@@ -156,11 +199,17 @@ def main(argv: list[str] | None = None) -> None:
         meta = {"command": " ".join(sys.argv), "machine": platform.platform(),
                 "python": platform.python_version(), "processor": platform.processor(), "server": url}
         results = []
-        points = list(grid(args, methods))
-        for i, (m, k, c, t, s) in enumerate(points):
-            print(f"[{i + 1}/{len(points)}] {m} k={k} c={c} T={t} {s}", file=sys.stderr, flush=True)
-            results.append(run_point(url, m, k, c, t, s, args))
-            # written after every point: a cut sweep keeps what it measured
+        cells = by_cell(list(grid(args, methods)))
+        total, done = sum(len(c) for c in cells) * args.rounds, 0
+        for points in cells:
+            measured: dict[tuple, list[dict]] = {p: [] for p in points}
+            for rnd in range(args.rounds):
+                for m, k, c, t, s in (points if rnd % 2 == 0 else points[::-1]):
+                    done += 1
+                    print(f"[{done}/{total}] {m} k={k} c={c} T={t} {s}", file=sys.stderr, flush=True)
+                    measured[(m, k, c, t, s)].append(run_point(url, m, k, c, t, s, args))
+            results += [pool_rounds(measured[p]) for p in points]
+            # written after every cell: a cut sweep keeps what it measured
             (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     table = summary_table(results)
     (out / "table.md").write_text(table)
