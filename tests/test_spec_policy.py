@@ -116,8 +116,18 @@ def test_acceptance_prior_comes_from_the_method_history():
     assert p.alpha("ngram", 0, 0) > 0.99
     for _ in range(200):
         p.observe_acceptance("mtp", 4, 0)                      # always the first rejected: 0 of 1 attempted
-    assert p.alpha("mtp", 0, 0) < 0.01
+    assert p.alpha("mtp", 0, 0) < 0.02
     assert p.alpha("mtp", 30, 40) == pytest.approx((30 + 4 * p.alpha("mtp", 0, 0)) / 44)
+
+
+def test_one_rejected_first_draft_does_not_stop_a_method_at_batch_one():
+    """The method history is shrunk towards the default prior: after a single rejection the estimate is
+    (0 + 4 x 0.5) / (1 + 4) = 0.4, not 0, and a lone request keeps drafting where drafting is nearly free."""
+    p = fitted_policy(t0=0.0025, t1=0.00015)                   # this project's bf16 target: 2.5 ms + 0.15 ms/token
+    p.observe_acceptance("ngram", 1, 0)
+    assert p.alpha("ngram", 0, 0) == pytest.approx(0.4)
+    lone = seq("a", 2, accepted=0, attempted=1)
+    assert p.trim([lone]) == 0 and lone.num_draft_slots == 2
 
 
 def test_engine_cuts_drafts_when_verifying_costs_more_than_it_gains(tiny_model_dir):

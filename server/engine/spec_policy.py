@@ -123,8 +123,12 @@ class GoodputPolicy:
         acc[1] = acc[1] * METHOD_DECAY + attempted_positions(num_draft, num_accepted)
 
     def alpha(self, method: str, accepted: int, attempted: int) -> float:
-        acc = self.method_acc.get(method)
-        prior = acc[0] / acc[1] if acc and acc[1] > 0 else PRIOR_ALPHA
+        """A request's acceptance estimate: its own counts, shrunk towards its method's history, which is
+        itself shrunk towards PRIOR_ALPHA. Never 0 after a few rejections: a cut request brings no new
+        evidence, so an estimate of 0 would cut its method for good (one rejected first draft once stopped
+        ngram at batch 1 for every later step: 0.96x plain against 2.09x with k fixed)."""
+        acc, att = self.method_acc.get(method, (0.0, 0.0))
+        prior = (acc + PRIOR_WEIGHT * PRIOR_ALPHA) / (att + PRIOR_WEIGHT)
         return min((accepted + PRIOR_WEIGHT * prior) / (attempted + PRIOR_WEIGHT), 0.999)
 
     # -- deciding ------------------------------------------------------------------------------------
