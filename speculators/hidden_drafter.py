@@ -17,7 +17,9 @@ layer m has not consumed yet wait in carry[m-1]. Rows the target rejected are ne
 the head's rollback is its `ends` counters alone. When the target served the first P positions of a
 request from its prefix cache, the head's first observe reads their layer-0 inputs from the state stash
 (record() writes every forward's rows there; speculators/state_stash.py) and runs layer 0 over bases
-[0, P + valid) at once, so it never drafts blind to a cached prompt.
+[0, P + valid) at once, so it never drafts blind to a cached prompt. The same read lets a head skip
+observing a request (the engine does so while the goodput policy drafts nothing for it): the next observe,
+or propose before it drafts (catch_up), runs the layers over every base it skipped, in one forward.
 
 propose(), with N = num_tokens (the last token t_{N-1} has no target state yet):
   step 0:        d_1 from g^0_{N-2} (already computed by observe: no forward)
@@ -147,8 +149,29 @@ class HiddenStateDrafter:
         inputs = self.head.target_states(step, torch.cat(rows).to(self.device))     # [sum(valid), H]
         outputs = list(inputs.split([len(r) for r in rows]))
         for j, ((req, _, _), (first, start)) in enumerate(zip(items, firsts)):
-            if first < start:           # bases [first, start): the target served them from its prefix cache
+            if first < start:           # bases [first, start): served from the prefix cache, or skipped
                 outputs[j] = torch.cat([self.stash.read(req.block_ids, first, start), outputs[j]])
+        self._advance(items, outputs)
+
+    def catch_up(self, requests: Sequence) -> None:
+        """Bring heads that skipped observing up to the request's last computed position, from the stash."""
+        items, outputs = [], []
+        for req in requests:
+            seq = self._seqs.get(req.request_id)
+            end0 = req.num_tokens - 1           # positions with a target state
+            if self.stash is None or seq is None or seq.ends[0] >= end0:
+                continue
+            if not self.cache.reserve(seq.kv, end0):
+                self.release(req)
+                continue
+            items.append((req, seq, end0))
+            outputs.append(self.stash.read(req.block_ids, seq.ends[0], end0))       # [end0 - ends[0], H]
+        if items:
+            self._advance(items, outputs)
+
+    def _advance(self, items: list[tuple], outputs: list[torch.Tensor]) -> None:
+        """Run every layer over the bases each request's layer lacks. items: (request, seq, end0), the
+        layer-0 inputs of bases [seq.ends[0], end0) in outputs."""
         for m in range(self.n):
             batch: list[_Rows] = []
             for j, (req, seq, end0) in enumerate(items):
@@ -169,11 +192,12 @@ class HiddenStateDrafter:
                     rows_m.seq.carry[m] = out[-1:]
 
     def _sync(self, req, start: int, end: int) -> _HeadSeq | None:
-        """The request's state, with KV reserved up to `end`, if it continues exactly at `start`; otherwise
+        """The request's state, with KV reserved up to `end`, if it continues at `start` (or before it, the
+        gap in the stash: skipped observes); otherwise
         a fresh one: from position 0 when the stash holds the states of [0, start) (a cached target
         prefix), else starting at `start` (no stash, or no room for the prefix). None: the cache is full."""
         seq = self._seqs.get(req.request_id)
-        if seq is not None and seq.ends[0] == start:
+        if seq is not None and (seq.ends[0] == start or (self.stash is not None and seq.ends[0] < start)):
             if self.cache.reserve(seq.kv, end):
                 return seq
             self.release(req)
@@ -196,6 +220,7 @@ class HiddenStateDrafter:
     # -- propose: k draft steps, batched -------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
+        self.catch_up([req for req, k in zip(requests, ks) if k > 0])
         live: list[_Live] = []
         for i, (req, k) in enumerate(zip(requests, ks)):
             seq = self._seqs.get(req.request_id)

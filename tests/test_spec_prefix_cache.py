@@ -109,3 +109,53 @@ def test_the_stash_queues_rows_and_a_reused_slot_keeps_the_later_row():
     stash.add(torch.tensor([4, 5, 6]), torch.ones(3, 4))
     stash.add(torch.tensor([7, 0]), torch.ones(2, 4))                   # 5 rows queued: flushed at once
     assert stash._pending_rows == 0 and stash.states[[4, 5, 6, 7, 0]].eq(2).all()
+
+
+class _DraftOneStepInThree:
+    """Stands in for the goodput policy: each request drafts on its 1st, 4th, 7th... step only."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, int] = {}
+
+    def trim(self, seqs) -> int:
+        cut = 0
+        for s in seqs:
+            if s.num_draft_slots > 0:
+                n = self.steps[s.request.request_id] = self.steps.get(s.request.request_id, -1) + 1
+                if n % 3:
+                    s.num_draft_slots, cut = 0, cut + 1
+        return cut
+
+    def observe_propose(self, *args) -> None: ...
+    def observe_acceptance(self, *args) -> None: ...
+    def observe_step(self, *args) -> None: ...
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_a_head_that_skipped_idle_steps_drafts_as_if_it_had_observed_them(dirs, method):
+    """With a stash the engine does not observe requests the policy cut to no drafts; their head catches up
+    from the stash before it drafts again, and drafts exactly what a head that observed every step drafts
+    (one-layer EAGLE-3 and a two-layer MTP stack), with fewer observe calls and nothing leaked."""
+    eager = make_engine(dirs["target"], eagle3=str(dirs["eagle3"]), enable_prefix_caching=False)   # no stash
+    lazy = make_engine(dirs["target"], eagle3=str(dirs["eagle3"]))
+    prompts = encode(eager, LONG)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
+    logs, outs, observed = [], [], []
+    for eng in (eager, lazy):
+        eng.engine.spec.policy = _DraftOneStepInThree()
+        spec = eng.engine.spec.speculators[method]
+        seen: list[str] = []
+        observe = spec.observe
+        spec.observe = lambda step, observe=observe, seen=seen: (seen.extend(r.request_id for r in step.requests),
+                                                                   observe(step))
+        logs.append(record_proposals(eng, method))
+        outs.append(eng.generate(prompts, params, SpecParams(method, 3)))
+        observed.append(len(seen))
+        del spec.observe, spec.propose
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert len(logs[0]) == len(logs[1]) >= 6
+    for (ctx_a, drafts_a, probs_a, _), (ctx_b, drafts_b, probs_b, _) in zip(*logs):
+        assert ctx_a == ctx_b and drafts_a == drafts_b
+        torch.testing.assert_close(probs_a, probs_b, atol=1e-5, rtol=0)
+    assert observed[1] < observed[0] * 0.6                 # two of three decode steps left out
+    assert_no_leaks(lazy)
