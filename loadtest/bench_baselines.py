@@ -41,7 +41,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 HF_VS_OURS = {"plain": "none", "assisted": "draft", "prompt_lookup": "ngram"}
 
 
-def hf_rows(models: Path, sets: list[str], n: int, max_tokens: int, k: int, dtype: str) -> list[dict]:
+def hf_models(models: Path, k: int, dtype: str):
+    """(tokenizer, target, {mode: generate() kwargs}): plain, prompt lookup and, with a draft, assisted."""
     from transformers import AutoTokenizer, LlamaForCausalLM
     tok = AutoTokenizer.from_pretrained(str(models / "target"))
     target = LlamaForCausalLM.from_pretrained(str(models / "target"), torch_dtype=getattr(torch, dtype)).eval()
@@ -52,19 +53,29 @@ def hf_rows(models: Path, sets: list[str], n: int, max_tokens: int, k: int, dtyp
         draft.generation_config.num_assistant_tokens = k
         draft.generation_config.num_assistant_tokens_schedule = "constant"
         modes["assisted"] = {"assistant_model": draft}
+    return tok, target, modes
+
+
+def hf_generate(tok, target, prompt: str, max_tokens: int, kw: dict) -> tuple[int, float]:
+    """One greedy generate() of exactly max_tokens new tokens -> (new tokens, seconds)."""
+    ids = tok(prompt, return_tensors="pt").input_ids
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = target.generate(ids, do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                              pad_token_id=tok.pad_token_id, **kw)
+    return out.shape[1] - ids.shape[1], time.perf_counter() - t0
+
+
+def hf_rows(models: Path, sets: list[str], n: int, max_tokens: int, k: int, dtype: str) -> list[dict]:
+    tok, target, modes = hf_models(models, k, dtype)
     rows = []
     for pset in sets:
         prompts = [r["prompt"] for r in load_prompt_set(pset, n, 0)]
         for mode, kw in modes.items():
             tokens, seconds = 0, 0.0
             for p in prompts:
-                ids = tok(p, return_tensors="pt").input_ids
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    out = target.generate(ids, do_sample=False, max_new_tokens=max_tokens,
-                                          min_new_tokens=max_tokens, pad_token_id=tok.pad_token_id, **kw)
-                seconds += time.perf_counter() - t0
-                tokens += out.shape[1] - ids.shape[1]
+                t, sec = hf_generate(tok, target, p, max_tokens, kw)
+                tokens, seconds = tokens + t, seconds + sec
             rows.append({"who": "hf", "method": mode, "prompt_set": pset, "output_tokens": tokens,
                          "seconds": seconds, "tok_per_s": tokens / seconds})
             print(f"hf {mode:14s} {pset:18s} {tokens / seconds:7.1f} tok/s", flush=True)
@@ -78,23 +89,27 @@ def offline_engine(models: Path, threads: int, dtype: str, compile_: bool = Fals
                                                   kv_cache_memory_gb=0.25, compile=compile_))
 
 
+def offline_generate(eng, prompt: str, method: str, k: int, max_tokens: int) -> tuple[int, float]:
+    """One greedy request of exactly max_tokens on the engine without HTTP -> (tokens, seconds)."""
+    from sampling.params import SamplingParams
+    from speculators.base import SpecParams
+    ids = eng.engine.tokenizer.encode(prompt)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    out = eng.generate([ids], params, SpecParams(method=method, num_speculative_tokens=0 if method == "none" else k))
+    return len(out[0].token_ids), time.perf_counter() - t0
+
+
 def offline_rows(eng, sets: list[str], n: int, max_tokens: int, k: int,
                  methods: tuple[str, ...] = ("none",)) -> list[dict]:
     """Our engine without the server, one prompt at a time as HF runs: greedy, each method at k."""
-    from sampling.params import SamplingParams
-    from speculators.base import SpecParams
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
     for pset in sets:
         for method in methods:
-            spec = SpecParams(method=method, num_speculative_tokens=0 if method == "none" else k)
             tokens, seconds = 0, 0.0
             for r in load_prompt_set(pset, n, 0):
-                ids = eng.engine.tokenizer.encode(r["prompt"])
-                t0 = time.perf_counter()
-                out = eng.generate([ids], params, spec)[0]
-                seconds += time.perf_counter() - t0
-                tokens += len(out.token_ids)
+                t, sec = offline_generate(eng, r["prompt"], method, k, max_tokens)
+                tokens, seconds = tokens + t, seconds + sec
             rows.append({"who": "ours-offline", "method": method, "prompt_set": pset, "output_tokens": tokens,
                          "seconds": seconds, "tok_per_s": tokens / seconds})
             print(f"ours offline {method:7s} {pset:18s} {tokens / seconds:7.1f} tok/s", flush=True)

@@ -60,3 +60,31 @@ def test_sweep_with_rounds_against_the_server(server_url, tmp_path, monkeypatch,
     # the second round runs the cell backwards: ngram first
     progress = [line.split("] ")[1].split()[0] for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
     assert progress == ["none", "ngram", "ngram", "none"]
+
+
+def test_paired_baselines_run_every_arm_on_every_prompt_in_alternating_order(tiny_model_dir, server_url, tmp_path):
+    """loadtest.bench_paired: HF, ours through HTTP and ours offline on the same prompt back to back, the order
+    reversed on the next prompt; pooled rows feed bench_baselines' ratio tables."""
+    from loadtest import bench_baselines as bb
+    from loadtest import bench_paired as bp
+    (tmp_path / "target").symlink_to(tiny_model_dir)
+    import httpx
+    model = httpx.get(f"{server_url}/v1/models").json()["data"][0]["id"]
+    runs = bp.arms(server_url, model, bb.hf_models(tmp_path, 3, "float32"), bb.offline_engine(tmp_path, 1, "float32"),
+                   ["ngram"], ["none", "ngram"], k=3, max_tokens=6)
+    assert list(runs) == [("hf", "plain"), ("hf", "prompt_lookup"), ("ours", "none"), ("ours", "ngram"),
+                          ("ours-offline", "none"), ("ours-offline", "ngram")]
+    lines: list[str] = []
+    rows, per_request = bp.run_paired(runs, ["code_completion"], 2, rounds=1, log=lines.append)
+    assert len(per_request) == 12 and len(lines) == 2
+    first = [(r["who"], r["method"]) for r in per_request if r["prompt"] == 0]
+    second = [(r["who"], r["method"]) for r in per_request if r["prompt"] == 1]
+    assert first == list(runs) and second == first[::-1]
+    assert all(r["output_tokens"] == 6 and r["seconds"] > 0 for r in per_request)
+    pooled = {(r["who"], r["method"]): r for r in rows}
+    assert pooled[("ours", "ngram")]["tok_per_s"] == pytest.approx(
+        12 / sum(r["seconds"] for r in per_request if (r["who"], r["method"]) == ("ours", "ngram")))
+    table = {r["hf"]: r for r in bb.ratios(rows)}
+    assert table["prompt_lookup"]["ours_same"] == "ngram"
+    spread = bp.prompt_spread(per_request, ("ours", "ngram"), "prompt_lookup")["code_completion"]
+    assert len(spread) == 2 and all(v > 0 for v in spread)
