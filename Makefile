@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: venv serve test test-fast bench-decode bench-spec bench-baselines bench-vllm gpu-check lint clean
+.PHONY: venv serve test test-fast bench-decode bench-spec bench-baselines bench-paired bench-vllm gpu-check lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ bench-spec: venv
 # HF generate (plain / assisted / prompt lookup) vs our server at batch 1, same models, one run.
 bench-baselines: venv
 	$(BIN)/python -m loadtest.bench_baselines $(ARGS)
+
+# The same comparison interleaved per prompt (every arm on each prompt back to back): for drifting VMs.
+bench-paired: venv
+	$(BIN)/python -m loadtest.bench_paired $(ARGS)
 
 # Our n-gram vs vLLM's on the same target; vLLM in its own venv (VLLM_PYTHON=..., see loadtest/bench_vllm.py).
 bench-vllm: venv
