@@ -193,8 +193,8 @@ def print_table(table: list[dict]) -> None:
               f" {r['ratio_same']:6.2f} {r['ours_best']:>14s} {r['ratio_best']:6.2f}")
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The options bench_baselines and bench_paired share (models, prompts, k, threads, dtype, methods)."""
     ap.add_argument("--models", type=Path, default=REPO / "models", help="the embedded family's directory")
     ap.add_argument("--prompt-sets", type=lambda s: s.split(","), default=["code_completion", "code_editing"])
     ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
@@ -204,20 +204,31 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides, HF and ours")
     ap.add_argument("--methods", default=None, help="our methods besides none (default: all loaded but prediction)")
     ap.add_argument("--compile", action="store_true", help="ours with --compile (torch.compile'd layer stacks)")
-    ap.add_argument("--rounds", type=int, default=2, help="repeat HF and ours, alternating which goes first")
     ap.add_argument("--offline-methods", default="none,ngram",
                     help="methods the engine runs without HTTP (none is needed for the serving-path cost)")
-    args = ap.parse_args(argv)
+
+
+def our_server_args(args) -> list[str]:
+    """Our server on the same target, dtype and threads, with every drafter the models directory holds."""
     if not (args.models / "target" / "config.json").is_file():
         raise SystemExit(f"{args.models}/target is missing: train the embedded family first (make train-embedded)")
-    torch.set_num_threads(args.threads)
-    eng = offline_engine(args.models, args.threads, args.dtype, args.compile)
-    offline_methods = tuple(args.offline_methods.split(","))
     server_args = ["--model", str(args.models / "target"), "--dtype", args.dtype, "--num-threads", str(args.threads)]
     server_args += ["--compile"] if args.compile else []
     for flag, name in (("--draft-model", "draft"), ("--eagle3", "eagle3")):
         if (args.models / name / "config.json").is_file():
             server_args += [flag, str(args.models / name)]
+    return server_args
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap)
+    ap.add_argument("--rounds", type=int, default=2, help="repeat HF and ours, alternating which goes first")
+    args = ap.parse_args(argv)
+    server_args = our_server_args(args)
+    torch.set_num_threads(args.threads)
+    eng = offline_engine(args.models, args.threads, args.dtype, args.compile)
+    offline_methods = tuple(args.offline_methods.split(","))
     rows = []
     with started_server(None, server_args) as url:
         methods = args.methods.split(",") if args.methods else [m for m in offered_methods(url) if m != "prediction"]

@@ -99,27 +99,14 @@ def prompt_spread(per_request: list[dict], ours: tuple[str, str], hf_mode: str) 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=Path, default=bb.REPO / "models", help="the embedded family's directory")
+    bb.add_common_args(ap)
     ap.add_argument("--url", default=None, help="a running server on the same target (default: start one)")
-    ap.add_argument("--prompt-sets", type=lambda s: s.split(","), default=["code_completion", "code_editing"])
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides")
-    ap.add_argument("--methods", default=None, help="our methods besides none (default: all loaded but prediction)")
-    ap.add_argument("--offline-methods", default="none,ngram")
-    ap.add_argument("--compile", action="store_true", help="ours with --compile")
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every prompt's arms (order alternating)")
     args = ap.parse_args(argv)
+    server_args = bb.our_server_args(args)
     torch.set_num_threads(args.threads)
     hf = bb.hf_models(args.models, args.k, args.dtype)
     eng = bb.offline_engine(args.models, args.threads, args.dtype, args.compile)
-    server_args = ["--model", str(args.models / "target"), "--dtype", args.dtype, "--num-threads", str(args.threads)]
-    server_args += ["--compile"] if args.compile else []
-    for flag, name in (("--draft-model", "draft"), ("--eagle3", "eagle3")):
-        if (args.models / name / "config.json").is_file():
-            server_args += [flag, str(args.models / name)]
     with started_server(args.url, server_args) as url:
         import httpx
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
