@@ -22,11 +22,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from loadtest import bench_baselines as bb
 from loadtest.prompt_sets import load_prompt_set
+from loadtest.request_builder import build_request
 from loadtest.server_proc import offered_methods, started_server
 from loadtest.sse_client import stream_completion
 
@@ -35,9 +37,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 async def _http_one(url: str, model: str, prompt: str, method: str, k: int, max_tokens: int) -> tuple[int, float]:
     import aiohttp
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True,
-            "speculation": {"method": method, "num_speculative_tokens": 0 if method == "none" else k}}
+    opts = SimpleNamespace(method=method, k=k, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    body = build_request(model, {"prompt": prompt}, opts)          # the request loadtest.serve sends
     async with aiohttp.ClientSession() as session:
         rec = await stream_completion(session, f"{url}/v1/completions", body, {})
     if not rec.ok:

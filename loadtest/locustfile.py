@@ -13,6 +13,7 @@ from locust import HttpUser, between, task
 
 from loadtest.prompt_sets import load_prompt_set
 from loadtest.request_builder import build_request
+from loadtest.sse_client import raw_body
 
 ARGS = SimpleNamespace(method=os.environ.get("SPEC_METHOD"), k=int(os.environ.get("SPEC_K", "4")),
                        max_tokens=int(os.environ.get("MAX_TOKENS", "128")),
@@ -28,6 +29,5 @@ class CompletionUser(HttpUser):
 
     @task
     def complete(self) -> None:
-        body = build_request(self.model, random.choice(ROWS), ARGS, stream=False)
-        body.update(body.pop("extra_body", {}))      # raw HTTP: extensions go in the body itself
+        body = raw_body(build_request(self.model, random.choice(ROWS), ARGS, stream=False))   # extensions inline
         self.client.post("/v1/completions", json=body, name="/v1/completions")
