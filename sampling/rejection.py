@@ -44,6 +44,32 @@ def _count_accepted(accepted: torch.Tensor,  # [m, max_drafts] bool
     return accepted.long().cumprod(dim=1).sum(dim=1)
 
 
+def _plain_greedy(seq: SeqSamplingInput) -> bool:
+    """Greedy with nothing that edits the scores this step (no penalty, bias, min_tokens ban) and no logprobs:
+    the whole verification is an argmax per row."""
+    p = seq.params
+    return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias and not p.has_penalties
+            and p.min_tokens <= len(seq.output_token_ids))
+
+
+def _verify_plain_greedy(target_logits: torch.Tensor,  # [sum_i(k_i + 1), vocab], any float dtype
+                         seqs: Sequence[SeqSamplingInput]) -> list[SeqSamplingOutput]:
+    """The greedy rule of the module docstring without the batched machinery: one argmax over all rows
+    and one device->host copy, then each request's leading run of drafts equal to its rows' argmax.
+    (argmax is exact in any dtype, and a bf16 -> float32 cast cannot change it, ties included.)"""
+    best = target_logits.argmax(dim=-1).tolist()       # [rows]
+    outputs, row = [], 0
+    for seq in seqs:
+        drafts = seq.draft_token_ids
+        mine = best[row:row + len(drafts) + 1]
+        n = 0
+        while n < len(drafts) and drafts[n] == mine[n]:
+            n += 1
+        outputs.append(SeqSamplingOutput(token_ids=mine[:n + 1], num_accepted=n))
+        row += len(drafts) + 1
+    return outputs
+
+
 class RejectionSampler:
     def __init__(self, eos_token_ids: Sequence[int] = ()):
         # eos_token_ids: the model's EOS ids, banned (unless ignore_eos) while output < min_tokens.
@@ -51,6 +77,14 @@ class RejectionSampler:
 
     def __call__(self, target_logits: torch.Tensor,  # [sum_i(k_i + 1), vocab] float32, not modified
                  seqs: Sequence[SeqSamplingInput]) -> list[SeqSamplingOutput]:
+        if all(map(_plain_greedy, seqs)):
+            return _verify_plain_greedy(target_logits, seqs)
+        return self.verify_batched(target_logits, seqs)
+
+    def verify_batched(self, target_logits: torch.Tensor,  # [sum_i(k_i + 1), vocab], not modified
+                       seqs: Sequence[SeqSamplingInput]) -> list[SeqSamplingOutput]:
+        """Every rule of the module docstring, vectorised over the batch (what __call__ runs unless the
+        whole batch is plain greedy)."""
         # Penalties, softmax and cumulative sums need float32 even when the model ran in bf16.
         target_logits = target_logits.float()
         batch = SamplingBatch.build(seqs, target_logits)

@@ -57,12 +57,47 @@ GREEDY_TABLE = [
 ]
 
 
+@pytest.mark.parametrize("path", ["__call__", "verify_batched"])
 @pytest.mark.parametrize("argmax, drafts, emitted, accepted", GREEDY_TABLE)
-def test_greedy_table(argmax, drafts, emitted, accepted):
+def test_greedy_table(argmax, drafts, emitted, accepted, path):
+    # __call__ takes the plain-greedy shortcut here; verify_batched is the general route.
     rows = [[0.0] * VOCAB for _ in argmax]
     for r, token in zip(rows, argmax):
         r[token] = 2.0
-    assert run(rows, [request(drafts, **GREEDY)]) == [(emitted, accepted)]
+    outputs = getattr(RejectionSampler(), path)(torch.tensor(rows), [request(drafts, **GREEDY)])
+    assert [(o.token_ids, o.num_accepted) for o in outputs] == [(emitted, accepted)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=4), st.integers(0, 2**31 - 1),
+       st.sampled_from([torch.float32, torch.bfloat16]))
+def test_plain_greedy_shortcut_equals_batched_route(ks, seed, dtype):
+    # Coarse integer logits make ties common; drafts copy the argmax often enough to get long runs.
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 3, (sum(k + 1 for k in ks), VOCAB), generator=gen).to(dtype)
+    best = logits.float().argmax(dim=-1).tolist()
+    seqs, row = [], 0
+    for k in ks:
+        drafts = [best[row + j] if torch.rand((), generator=gen) < 0.7 else int(torch.randint(0, VOCAB, (),
+                  generator=gen)) for j in range(k)]
+        seqs.append(request(drafts, **GREEDY))
+        row += k + 1
+    sampler = RejectionSampler()
+    fast = [(o.token_ids, o.num_accepted, o.logprobs) for o in sampler(logits, seqs)]
+    general = [(o.token_ids, o.num_accepted, o.logprobs) for o in sampler.verify_batched(logits, seqs)]
+    assert fast == general
+
+
+def test_shortcut_not_taken_when_something_edits_the_scores(monkeypatch):
+    # min_tokens still banning EOS, a penalty, a bias or logprobs anywhere in the batch: the batched route.
+    taken = []
+    monkeypatch.setattr(rejection, "_verify_plain_greedy", lambda *a: taken.append(1) or [])
+    rows = [[0.0, 0.0, 3.0, 0.0, 0.0]]
+    for params in ({"min_tokens": 1, "max_tokens": 4}, {"presence_penalty": 0.5}, {"logit_bias": {1: 5.0}},
+                   {"logprobs": 1}):
+        outputs = RejectionSampler(eos_token_ids=[2])(torch.tensor(rows), [request([], **GREEDY, **params)])
+        assert taken == [] and len(outputs) == 1
+    assert RejectionSampler()(torch.tensor(rows), [request([], **GREEDY)]) == [] and taken == [1]
 
 
 # ----------------------------------------------------------------------------- random, certain outcomes
