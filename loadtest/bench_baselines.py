@@ -204,6 +204,8 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides, HF and ours")
     ap.add_argument("--methods", default=None, help="our methods besides none (default: all loaded but prediction)")
     ap.add_argument("--compile", action="store_true", help="ours with --compile (torch.compile'd layer stacks)")
+    ap.add_argument("--server-args", default="", help="extra flags for our server, after the ones that match HF's "
+                    "setup (they win where they repeat one, e.g. --num-threads)")
     ap.add_argument("--offline-methods", default="none,ngram",
                     help="methods the engine runs without HTTP (none is needed for the serving-path cost)")
 
@@ -217,7 +219,7 @@ def our_server_args(args) -> list[str]:
     for flag, name in (("--draft-model", "draft"), ("--eagle3", "eagle3")):
         if (args.models / name / "config.json").is_file():
             server_args += [flag, str(args.models / name)]
-    return server_args
+    return server_args + args.server_args.split()
 
 
 def main(argv=None) -> None:

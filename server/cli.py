@@ -68,6 +68,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "between the matmuls (fewer dispatches per step, most useful at small batches); "
                         "start-up compiles one graph per model (tens of seconds on CPU the first time, "
                         "then cached by torch; needs a C++ compiler) (default: off)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=e.engine_process,
+                   help="step the engine in a process of its own instead of a thread of the server's: the "
+                        "event loop's per-chunk work (JSON, HTTP, socket writes) then runs beside the step "
+                        "instead of holding the GIL the engine needs (server/engine/process_engine.py) "
+                        "(default: %(default)s)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=e.enable_prefix_caching,
                    help="disable reuse of KV blocks across requests with a common prefix (default: enabled)")

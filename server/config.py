@@ -35,6 +35,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None         # torch intra-op threads on CPU; None = torch default
     compile: bool = False                  # torch.compile the layer stacks of target and draft model
+    engine_process: bool = False           # step the engine in its own process (server/engine/process_engine.py)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

@@ -85,7 +85,8 @@ class DraftModelSpeculator:
         return cls(model, cache, target_cfg.vocab_size)
 
     # -- Speculator interface -----------------------------------------------------------------------
-    def validate(self, options: dict) -> None:
+    @staticmethod
+    def validate(options: dict) -> None:
         if options:
             raise ValueError(f"draft speculation takes no options, got {sorted(options)}")
 

@@ -54,7 +54,8 @@ class Eagle3Speculator:
     def cache(self) -> DraftKVCache:
         return self.drafter.cache
 
-    def validate(self, options: dict) -> None:
+    @staticmethod
+    def validate(options: dict) -> None:
         if options:
             raise ValueError(f"eagle3 speculation takes no options, got {sorted(options)}")
 

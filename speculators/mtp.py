@@ -49,7 +49,8 @@ class MtpSpeculator:
     def cache(self) -> DraftKVCache:
         return self.drafter.cache
 
-    def validate(self, options: dict) -> None:
+    @staticmethod
+    def validate(options: dict) -> None:
         if options:
             raise ValueError(f"mtp speculation takes no options, got {sorted(options)}")
 

@@ -32,7 +32,8 @@ class NgramSpeculator:
     def __init__(self) -> None:
         self._buffers: dict[str, TokenBuffer] = {}
 
-    def validate(self, options: dict) -> None:
+    @staticmethod
+    def validate(options: dict) -> None:
         unknown = set(options) - {"prompt_lookup_min", "prompt_lookup_max"}
         if unknown:
             raise ValueError(f"unknown ngram speculation options {sorted(unknown)}; "

@@ -34,7 +34,8 @@ class PredictionSpeculator:
     def __init__(self) -> None:
         self._states: dict[str, _State] = {}
 
-    def validate(self, options: dict) -> None:
+    @staticmethod
+    def validate(options: dict) -> None:
         if options:
             raise ValueError(f"prediction speculation takes no options, got {sorted(options)}; "
                              "send the predicted text in the request's `prediction` field")

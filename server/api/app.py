@@ -32,6 +32,9 @@ EngineFactory = Callable[..., Any]        # (EngineConfig, on_step=...) -> Async
 
 
 def _load_engine(cfg: EngineConfig, on_step: Callable[..., None]) -> Any:
+    if cfg.engine_process:
+        from server.engine.process_engine import ProcessEngine
+        return ProcessEngine.from_config(cfg, on_step=on_step)
     from server.engine.async_engine import AsyncEngine
     return AsyncEngine.from_config(cfg, on_step=on_step)
 

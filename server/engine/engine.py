@@ -13,7 +13,6 @@ import torch
 from sampling.outputs import SeqSamplingInput, SeqSamplingOutput
 from sampling.params import SamplingParams
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.errors import ContextLengthError
 from server.engine.model_runner import ModelRunner, StepResult
 from server.engine.output_builder import (
     build_output,
@@ -22,6 +21,7 @@ from server.engine.output_builder import (
 )
 from server.engine.outputs import RequestOutput
 from server.engine.request import Request
+from server.engine.request_checks import RequestChecks
 from server.engine.scheduler import ScheduledSeq, Scheduler
 from server.engine.spec_dispatch import SpecDispatcher
 from server.engine.stats import StepStats
@@ -54,29 +54,13 @@ class Engine:
         self._aborted: list = []      # RequestTimings of aborts, reported with the next step's stats
 
     # -- requests --------------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty; send at least one token")
-        vocab = self.runner.cfg.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        params.validate(vocab)
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ContextLengthError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
-                f"{len(prompt_token_ids)} prompt tokens and max_tokens={params.max_tokens} "
-                f"({total} in total). Shorten the prompt or lower max_tokens.")
-        self._check_fits_kv(total)
-
-    def _check_fits_kv(self, num_tokens: int) -> None:
+    @property
+    def checks(self) -> RequestChecks:
         bm = self.scheduler.bm
-        need = -(-num_tokens // bm.block_size)
-        if need > bm.num_blocks:
-            raise ContextLengthError(
-                f"the request needs {num_tokens} tokens of KV cache but the server's cache holds "
-                f"{bm.num_blocks * bm.block_size}; lower max_tokens or raise --kv-cache-memory-gb")
+        return RequestChecks(self.runner.cfg.vocab_size, self.max_model_len, bm.block_size, bm.num_blocks)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.checks.validate(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     spec: SpecParams, prediction_token_ids: list[int] | None = None,

@@ -11,8 +11,9 @@ instead of a head forward over every request every step.
 """
 from __future__ import annotations
 
+import importlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,6 +22,27 @@ from server.engine.request import Request
 from server.engine.scheduler import ScheduledSeq
 from server.engine.stats import SpecStepStats, StepStats
 from speculators.base import VerifiedStep, count_accepted_positions
+
+# method -> its speculator class, whose static validate() checks a request's options without a loaded model
+SPECULATOR_CLASSES = {"ngram": "speculators.ngram:NgramSpeculator",
+                      "prediction": "speculators.prediction:PredictionSpeculator",
+                      "draft": "speculators.draft_model:DraftModelSpeculator",
+                      "eagle3": "speculators.eagle3:Eagle3Speculator",
+                      "mtp": "speculators.mtp:MtpSpeculator"}
+
+
+def class_validator(method: str) -> Callable[[dict], None]:
+    module, name = SPECULATOR_CLASSES[method].split(":")
+    return getattr(importlib.import_module(module), name).validate
+
+
+def validate_spec(spec, validator: Callable[[str], Callable[[dict], None]] = class_validator) -> None:
+    """ValueError for options the chosen method does not take; `validator(method)` -> its options check."""
+    if spec.method == "none":
+        if spec.options:
+            raise ValueError(f"speculation method 'none' takes no options, got {sorted(spec.options)}")
+        return
+    validator(spec.method)(spec.options)
 
 
 class SpecDispatcher:
@@ -35,11 +57,7 @@ class SpecDispatcher:
 
     def validate(self, spec) -> None:
         """Reject method options the chosen speculator does not understand (ValueError -> HTTP 400)."""
-        if spec.method == "none":
-            if spec.options:
-                raise ValueError(f"speculation method 'none' takes no options, got {sorted(spec.options)}")
-            return
-        self.speculators[spec.method].validate(spec.options)
+        validate_spec(spec, lambda method: self.speculators[method].validate)
 
     def propose(self, seqs: list[ScheduledSeq], stats: StepStats
                 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
