@@ -68,30 +68,50 @@ def test_batch_one_keeps_drafting_and_a_full_batch_of_poor_acceptors_stops():
 
 
 def test_choice_is_the_best_allocation_by_brute_force():
+    # The step model: verifying costs T1 per token; a draft model's step costs 4 ms per depth it drafts to,
+    # however many of its requests draft at that depth (one batched forward); ngram drafts are free.
     p = fitted_policy()
-    p.observe_propose("draft", 0.004, 1)                     # draft steps cost 4 ms, shared by the draft group
+    p.observe_propose("draft", 0.004, 1)
+    d = p.draft_step_s["draft"]
     stats = [(90, 100, "ngram"), (50, 100, "ngram"), (70, 100, "draft"), (30, 100, "draft")]
     for size in (4, 12):
-        seqs = [seq(f"{size}-{i}", 3, a, n, m) for i, (a, n, m) in enumerate(stats * (size // 4))]
+        rows = stats * (size // 4)
+        seqs = [seq(f"{size}-{i}", 3, a, n, m) for i, (a, n, m) in enumerate(rows)]
         p.trim(seqs)
         chosen = [s.num_draft_slots for s in seqs]
-        alphas = [p.alpha(m, a, n) for a, n, m in stats * (size // 4)]
-        per_method = {m: sum(1 for *_, mm in stats * (size // 4) if mm == m) for m in ("ngram", "draft")}
-        costs = [T1 + p.draft_step_s.get(m, 0.0) / per_method[m] for *_, m in stats * (size // 4)]
+        alphas = [p.alpha(m, a, n) for a, n, m in rows]
+        is_draft = [m == "draft" for *_, m in rows]
 
-        def rate(ks, alphas=alphas, costs=costs):
+        def rate(ks, alphas=alphas, is_draft=is_draft):
             tokens = len(ks) + sum(sum(a ** j for j in range(1, k + 1)) for a, k in zip(alphas, ks))
-            return tokens / (T0 + T1 * len(ks) + sum(c * k for c, k in zip(costs, ks)))
+            depth = max((k for k, dm in zip(ks, is_draft) if dm), default=0)
+            return tokens / (T0 + T1 * (len(ks) + sum(ks)) + d * depth)
         if size == 4:
             best = max(itertools.product(range(4), repeat=4), key=rate)
             assert rate(chosen) == pytest.approx(rate(best), rel=1e-6)
         # no single +-1 change of one request's k does better (local optimality at the larger size)
         for i in range(len(chosen)):
-            for d in (-1, 1):
+            for step in (-1, 1):
                 ks = list(chosen)
-                ks[i] += d
+                ks[i] += step
                 if 0 <= ks[i] <= 3:
                     assert rate(ks) <= rate(chosen) * (1 + 1e-9)
+
+
+def test_a_draft_models_depth_is_paid_once_so_few_takers_do_not_open_it():
+    # 16 draft-model requests: 2 accept well, 14 poorly. Charged d / 16 each (the old model), the two good
+    # ones looked worth a 4 ms draft forward; paid in full, 2 x T1-priced tokens do not cover it.
+    p = fitted_policy()
+    p.observe_propose("draft", 0.004, 1)
+    crowd = [seq(f"g{i}", 2, 90, 100, "draft") for i in range(2)] + \
+            [seq(f"p{i}", 2, 2, 100, "draft") for i in range(14)]
+    p.trim(crowd)
+    assert [s.num_draft_slots for s in crowd] == [0] * 16
+    # the same two good acceptors with free drafts (ngram) keep drafting
+    mixed = [seq(f"n{i}", 2, 90, 100, "ngram") for i in range(2)] + \
+            [seq(f"q{i}", 2, 2, 100, "draft") for i in range(14)]
+    p.trim(mixed)
+    assert [s.num_draft_slots for s in mixed[:2]] == [2, 2] and all(s.num_draft_slots == 0 for s in mixed[2:])
 
 
 def test_seeded_sampling_and_opt_out_keep_their_k():
