@@ -18,7 +18,7 @@ step so far): a position of a request whose method drafts for free, or a depth o
 opened for those of its requests whose own position still pays (alpha_i ** j / t1 > S / T). Charging a
 depth d_m / n_m per request instead, as if all n_m of them drafted, opened depths for a few good acceptors
 among many and paid the whole forward for their tokens: at concurrency 16, EAGLE-3 / MTP under this policy
-ran at 0.68-0.79x plain against 0.84-1.08x with k fixed; with depths paid once, 0.88-1.15x.
+ran at 0.68-0.79x plain against 0.84-1.08x with k fixed; with depths paid once, 0.85-1.17x.
 
 What it never touches: greedy output (k never changes what a greedy request emits) and seeded sampled
 requests (their k stays as asked, so a seed reproduces the same text whatever the load). It only cuts
