@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: venv serve test test-fast bench-decode bench-spec bench-baselines bench-paired bench-vllm gpu-check lint clean
+.PHONY: venv serve test test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm gpu-check lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,11 @@ bench-baselines: venv
 # The same comparison interleaved per prompt (every arm on each prompt back to back): for drifting VMs.
 bench-paired: venv
 	$(BIN)/python -m loadtest.bench_paired $(ARGS)
+
+# Our server under different flags, batch 1, interleaved per prompt, against the engine without HTTP:
+#   make bench-server-ab ARGS='--dtype bfloat16 --compile --config thread= --config process=--engine-process'
+bench-server-ab: venv
+	$(BIN)/python -m loadtest.bench_server_ab $(ARGS)
 
 # Our n-gram vs vLLM's on the same target; vLLM in its own venv (VLLM_PYTHON=..., see loadtest/bench_vllm.py).
 bench-vllm: venv

@@ -88,3 +88,36 @@ def test_paired_baselines_run_every_arm_on_every_prompt_in_alternating_order(tin
     assert table["prompt_lookup"]["ours_same"] == "ngram"
     spread = bp.prompt_spread(per_request, ("ours", "ngram"), "prompt_lookup")["code_completion"]
     assert len(spread) == 2 and all(v > 0 for v in spread)
+
+
+def test_server_ab_runs_each_config_and_the_offline_engine(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """loadtest.bench_server_ab: one server per --config (here in-thread and --engine-process), every method on
+    each, the offline engine as reference; ratios to it per prompt set and method."""
+    from loadtest import bench_server_ab as ab
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "target").symlink_to(tiny_model_dir)
+    monkeypatch.setattr(ab, "RESULTS", tmp_path / "results")
+    ab.main(["--models", str(models), "--dtype", "float32", "--threads", "1", "--prompts", "2", "--rounds", "1",
+             "--max-tokens", "4", "--k", "2", "--prompt-sets", "code_completion", "--methods", "none,ngram",
+             "--config", "thread=", "--config", "process=--engine-process"])
+    data = json.loads(next((tmp_path / "results").glob("server-ab-*/results.json")).read_text())
+    assert data["meta"]["configs"] == {"thread": [], "process": ["--engine-process"]}
+    arms = {(r["who"], r["method"]) for r in data["rows"]}
+    assert arms == {(w, m) for w in ("thread", "process", "offline") for m in ("none", "ngram")}
+    assert len(data["per_request"]) == 2 * 6 and all(r["output_tokens"] == 4 for r in data["per_request"])
+    offline = {r["method"]: r["tok_per_s"] for r in data["rows"] if r["who"] == "offline"}
+    for r in data["rows"]:
+        assert r["vs_offline"] == pytest.approx(r["tok_per_s"] / offline[r["method"]]) and r["vs_offline"] > 0
+    assert "÷ offline" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["noequals", "=--flag", "offline=--x"])
+def test_server_ab_config_must_be_name_equals_flags(bad):
+    import argparse
+
+    from loadtest.bench_server_ab import parse_config
+    assert parse_config("p=--engine-process --num-threads 1") == ("p", ["--engine-process", "--num-threads", "1"])
+    assert parse_config("plain=") == ("plain", [])
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_config(bad)
