@@ -157,6 +157,12 @@ def test_a_killed_engine_process_fails_requests_instead_of_hanging(tiny_model_di
                 await _collect(eng, "late", PROMPT, SamplingParams(max_tokens=2), SpecParams())
         asyncio.run(scenario())
         assert eng.dead is not None and "exit code" in str(eng.dead)
+        srv = InProcessServer(eng, tiny_model_dir)
+        try:
+            health = httpx.get(srv.url + "/health", timeout=30)
+            assert health.status_code == 503 and "exit code" in health.json()["error"]
+        finally:
+            srv.stop()
     finally:
         asyncio.run(eng.shutdown())
 
