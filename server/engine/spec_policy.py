@@ -156,6 +156,8 @@ class GoodputPolicy:
         # Heap entries (-gain / cost, tiebreak, method or None, depth, members). A method whose drafting is a
         # forward per depth (d_m > 0) opens a depth for a group: one d_m however many of its requests draft
         # there. Per-request entries (d_m = 0: ngram, prediction) cost t1 per position.
+        def cost_of(m: str | None, n: int) -> float:        # n positions verified, plus m's draft forward
+            return n * t1 + (self.draft_step_s[m] if m is not None else 0.0)
         heap: list = []
         groups: dict[str, list[int]] = {}
         for i, s in enumerate(adaptive):
@@ -166,14 +168,14 @@ class GoodputPolicy:
                 heapq.heappush(heap, (-alphas[i] / t1, len(heap), None, 1, [i]))
         for m, members in groups.items():
             gain = sum(alphas[i] for i in members)
-            heapq.heappush(heap, (-gain / (len(members) * t1 + self.draft_step_s[m]), len(heap), m, 1, members))
+            heapq.heappush(heap, (-gain / cost_of(m, len(members)), len(heap), m, 1, members))
         serial = len(heap)
         while heap:
             _, _, m, depth, members = heapq.heappop(heap)
             # only members whose own verification pays at the rate reached so far (gained / seconds)
             members = [i for i in members if alphas[i] ** depth * seconds > t1 * gained]
             gain = sum(alphas[i] ** depth for i in members)
-            cost = len(members) * t1 + (self.draft_step_s[m] if m is not None else 0.0)
+            cost = cost_of(m, len(members))
             if not members or gain * seconds <= cost * gained:      # gain / cost <= tokens per second so far
                 continue
             for i in members:
@@ -183,9 +185,8 @@ class GoodputPolicy:
             deeper = [i for i in members if depth < adaptive[i].num_draft_slots]
             if deeper:
                 nxt = sum(alphas[i] ** (depth + 1) for i in deeper)
-                d_cost = len(deeper) * t1 + (self.draft_step_s[m] if m is not None else 0.0)
                 serial += 1
-                heapq.heappush(heap, (-nxt / d_cost, serial, m, depth + 1, deeper))
+                heapq.heappush(heap, (-nxt / cost_of(m, len(deeper)), serial, m, depth + 1, deeper))
         cut = 0
         for s, k in zip(adaptive, keep):
             if k < s.num_draft_slots:
