@@ -3,8 +3,8 @@
   python -m loadtest.bench_server_ab --dtype bfloat16 --compile --config thread= \\
       --config "process=--engine-process" --methods none,ngram --prompts 6 --rounds 2
 
-Every `--config NAME=FLAGS` is one server (our_server_args plus FLAGS) started before the run, one after
-another (servers compiling at once race on torch's inductor cache). Arms: each server x each method, and
+Every `--config NAME=FLAGS` is one server (our_server_args plus FLAGS), started one after another before
+the run (each is up once /health says ready, i.e. its engine is built). Arms: each server x each method, and
 the offline engine x each method (the reference: what the serving path costs). Like bench_paired, all arms
 run on each prompt back to back, order reversed on the next prompt, so a drifting VM slows every arm alike.
 Idle servers cost nothing measurable (0.3 % CPU). Printed: tok/s per arm and ÷ the offline engine.
@@ -47,18 +47,6 @@ def relative_to_offline(rows: list[dict]) -> list[dict]:
     return out
 
 
-def ready_model(url: str, timeout: float = 600) -> str:
-    """The served model id, once the engine is loaded (/health answers before that)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        data = httpx.get(f"{url}/v1/models", timeout=30).json().get("data")
-        if data:
-            return data[0]["id"]
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{url}: no model after {timeout:.0f} s")
-        time.sleep(0.5)
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bb.add_common_args(ap)
@@ -75,7 +63,7 @@ def main(argv=None) -> None:
         runs = {}
         for name, flags in args.config:
             url = stack.enter_context(started_server(None, bb.our_server_args(args) + flags))
-            model = ready_model(url)
+            model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             for m in methods:
                 runs[(name, m)] = (lambda p, url=url, model=model, m=m:
                                    asyncio.run(_http_one(url, model, p, m, args.k, args.max_tokens)))

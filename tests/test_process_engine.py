@@ -181,3 +181,15 @@ def test_shutdown_ends_the_engine_process(tiny_model_dir):
     assert not eng._proc.is_alive() and eng._proc.exitcode == 0
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_every_method_has_a_class_to_check_its_options_without_a_model():
+    # ProcessEngine checks options in the server process from SPECULATOR_CLASSES; a method missing there
+    # would turn a bad `speculation` into a KeyError (500) instead of a 400.
+    from server.engine.spec_dispatch import SPECULATOR_CLASSES, validate_spec
+    from speculators.base import METHODS
+    assert set(SPECULATOR_CLASSES) == set(METHODS) - {"none"}
+    for method in SPECULATOR_CLASSES:
+        with pytest.raises(ValueError):
+            validate_spec(SpecParams(method, 2, {"no_such_option": 1}))
+        validate_spec(SpecParams(method, 2))
