@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: venv serve test test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm gpu-check lint clean
+.PHONY: venv serve test test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report gpu-check lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,10 @@ bench-server-ab: venv
 # Our n-gram vs vLLM's on the same target; vLLM in its own venv (VLLM_PYTHON=..., see loadtest/bench_vllm.py).
 bench-vllm: venv
 	$(BIN)/python -m loadtest.bench_vllm $(ARGS)
+
+# Issue 7's targets in one run: HF ratios at batch 1, ours vs vLLM n-gram, best method vs none at concurrency 16.
+bench-report: venv
+	$(BIN)/python -m loadtest.bench_report $(ARGS)
 
 # On a CUDA machine: flash-attn vs SDPA equivalence + a short decode benchmark (< 5 minutes).
 gpu-check: venv

@@ -98,7 +98,7 @@ def prompt_spread(per_request: list[dict], ours: tuple[str, str], hf_mode: str) 
     return out
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bb.add_common_args(ap)
     ap.add_argument("--url", default=None, help="a running server on the same target (default: start one)")
@@ -132,6 +132,7 @@ def main(argv=None) -> None:
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "per_request": per_request,
                                                  "ratios": table, "ratios_offline": offline_table}, indent=2))
     print(f"wrote {out / 'results.json'}")
+    return {"dir": str(out), "ratios": table, "ratios_offline": offline_table, "rows": rows}
 
 
 if __name__ == "__main__":

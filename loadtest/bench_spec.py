@@ -173,7 +173,7 @@ def plot(results: list[dict], out: Path) -> None:
     fig.savefig(out / "per_position_acceptance.png", dpi=110)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="use a running server instead of starting one")
     ap.add_argument("--server-args", default="", help="extra flags for the server it starts")
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True)
     with started_server(args.url, args.server_args.split()) as url:
         methods = args.methods.split(",") if args.methods else offered_methods(url)
-        meta = {"command": " ".join(sys.argv), "machine": platform.platform(),
+        meta = {"command": "python -m loadtest.bench_spec " + " ".join(sys.argv[1:] if argv is None else argv), "machine": platform.platform(),
                 "python": platform.python_version(), "processor": platform.processor(), "server": url}
         results = []
         cells = by_cell(list(grid(args, methods)))
@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     plot(results, out)
     print(f"wrote {out}")
+    return {"dir": str(out), "results": results}
 
 
 def summary_table(results: list[dict]) -> str:

@@ -34,11 +34,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def drive(url: str, method: str, args) -> list[dict]:
-    ns = SimpleNamespace(url=url, model=None, api_key=None, method=method, k=args.k, concurrency=args.concurrency,
-                         num_prompts=args.prompts, request_rate=None, prompt_set=args.prompt_set,
-                         max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, goodput={}, seed=0,
-                         timeout=900, quiet=True)
-    return asyncio.run(serve_amain(ns))
+    """Every prompt set at every concurrency against one server."""
+    rows = []
+    for pset in args.prompt_set:
+        ns = SimpleNamespace(url=url, model=None, api_key=None, method=method, k=args.k,
+                             concurrency=args.concurrency, num_prompts=args.prompts, request_rate=None,
+                             prompt_set=pset, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                             goodput={}, seed=0, timeout=900, quiet=True)
+        rows += asyncio.run(serve_amain(ns))
+    return rows
 
 
 def plain_copy(model: Path, out: Path) -> Path:
@@ -81,21 +85,24 @@ def labelled(result: dict, server: str, method: str) -> dict:
 
 
 def ratio_table(rows: list[dict], concurrency: list[int]) -> list[dict]:
-    """ours ÷ vLLM output tokens/s per (concurrency, method), from the rows both servers produced."""
-    tps = {(r["server"], r["method"], r["concurrency"]): r["output_throughput"] for r in rows}
+    """ours ÷ vLLM output tokens/s per (prompt set, concurrency, method), from the rows both servers produced."""
+    tps = {(r["server"], r["method"], r["prompt_set"], r["concurrency"]): r["output_throughput"] for r in rows}
     table = []
-    for c in concurrency:
-        for m in ("ngram", "none"):
-            v, o = tps[("vllm", m, c)], tps[("ours", m, c)]
-            table.append({"concurrency": c, "method": m, "vllm": v, "ours": o, "ratio": o / v})
+    for pset in sorted({r["prompt_set"] for r in rows}):
+        for c in concurrency:
+            for m in ("ngram", "none"):
+                v, o = tps[("vllm", m, pset, c)], tps[("ours", m, pset, c)]
+                table.append({"prompt_set": pset, "concurrency": c, "method": m, "vllm": v, "ours": o,
+                              "ratio": o / v})
     return table
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
     ap.add_argument("--model", type=Path, default=REPO / "models" / "target")
-    ap.add_argument("--prompt-set", default="code_editing")
+    ap.add_argument("--prompt-set", "--prompt-sets", type=lambda s: s.split(","), default=["code_editing"],
+                    help="comma list; every set runs against each server")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
@@ -123,14 +130,17 @@ def main(argv=None) -> None:
     out.mkdir(parents=True)
     (out / "rows.json").write_text(json.dumps(rows, indent=2))      # kept even if the table below fails
     table = ratio_table(rows, args.concurrency)
-    print(f"\n{'concurrency':>11s} {'method':>7s} {'vLLM tok/s':>11s} {'ours tok/s':>11s} {'ours/vLLM':>10s}")
+    print(f"\n{'prompt set':16s} {'concurrency':>11s} {'method':>7s} {'vLLM tok/s':>11s} {'ours tok/s':>11s} "
+          f"{'ours/vLLM':>10s}")
     for t in table:
-        print(f"{t['concurrency']:11d} {t['method']:>7s} {t['vllm']:11.1f} {t['ours']:11.1f} {t['ratio']:10.2f}")
+        print(f"{t['prompt_set']:16s} {t['concurrency']:11d} {t['method']:>7s} {t['vllm']:11.1f} {t['ours']:11.1f} "
+              f"{t['ratio']:10.2f}")
     command = "python -m loadtest.bench_vllm " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = {"command": command, "machine": platform.platform(),
             "threads": args.threads, "dtype": args.dtype, "compile": args.compile}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=2))
     print(f"wrote {out / 'results.json'}")
+    return {"dir": str(out), "table": table}
 
 
 if __name__ == "__main__":

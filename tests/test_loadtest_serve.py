@@ -147,7 +147,8 @@ def test_spec_grid_runs_prediction_only_where_prompts_carry_one():
 
 def test_vllm_comparison_table_pairs_rows_by_server_method_and_concurrency():
     from loadtest.bench_vllm import labelled, ratio_table
-    sent = {"method": "off", "concurrency": 1, "output_throughput": 40.0}      # what the client returns for vLLM
+    sent = {"method": "off", "concurrency": 1, "prompt_set": "code_editing",   # what the client returns for vLLM
+            "output_throughput": 40.0}
     rows = [labelled(sent, "vllm", "ngram"), labelled({**sent, "output_throughput": 30.0}, "vllm", "none"),
             labelled({**sent, "method": "ngram", "output_throughput": 60.0}, "ours", "ngram"),
             labelled({**sent, "method": "none", "output_throughput": 33.0}, "ours", "none")]
@@ -155,6 +156,12 @@ def test_vllm_comparison_table_pairs_rows_by_server_method_and_concurrency():
     table = ratio_table(rows, [1])
     assert [t["method"] for t in table] == ["ngram", "none"]
     assert [t["ratio"] for t in table] == pytest.approx([1.5, 1.1])
+    other = [{**r, "prompt_set": "code_completion", "output_throughput": r["output_throughput"] * (2 if
+              r["server"] == "ours" else 1)} for r in rows]
+    table = ratio_table(rows + other, [1])                      # sets are paired within themselves
+    assert [(t["prompt_set"], t["method"]) for t in table] == [("code_completion", "ngram"), ("code_completion", "none"),
+                                                               ("code_editing", "ngram"), ("code_editing", "none")]
+    assert [t["ratio"] for t in table] == pytest.approx([3.0, 2.2, 1.5, 1.1])
 
 
 def test_step_profile_accounts_for_each_stage(tiny_model_dir, capsys):
