@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench_report import floor_targets, hf_targets, markdown, vllm_missing, vllm_targets
+from loadtest.bench_report import (
+    floor_targets,
+    hf_targets,
+    markdown,
+    vllm_missing,
+    vllm_targets,
+)
 
 
 def _spec(method, k, conc, temp, pset, tps):
