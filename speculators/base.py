@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-METHODS = ("none", "ngram", "prediction", "draft", "eagle3", "mtp")
+METHODS = ("none", "ngram", "prediction", "draft", "eagle3", "mtp", "hybrid")
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ DEFAULT_MAX = 4
 MAX_LOOKUP = 16
 
 
-def lookup_bounds(options: dict) -> tuple[int, int]:
-    lo = options.get("prompt_lookup_min", DEFAULT_MIN)
+def lookup_bounds(options: dict, default_min: int = DEFAULT_MIN) -> tuple[int, int]:
+    lo = options.get("prompt_lookup_min", default_min)
     hi = options.get("prompt_lookup_max", max(DEFAULT_MAX, lo) if isinstance(lo, int) else DEFAULT_MAX)
     for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_LOOKUP:
@@ -29,7 +29,8 @@ def lookup_bounds(options: dict) -> tuple[int, int]:
 class NgramSpeculator:
     name = "ngram"
 
-    def __init__(self) -> None:
+    def __init__(self, default_min: int = DEFAULT_MIN) -> None:
+        self.default_min = default_min           # shortest match that counts when a request does not say
         self._buffers: dict[str, TokenBuffer] = {}
 
     @staticmethod
@@ -44,7 +45,7 @@ class NgramSpeculator:
         drafts: list[list[int]] = []
         for req, k in zip(requests, ks):
             ctx = self._context(req)                         # [L]
-            lo, hi = lookup_bounds(req.spec_params.options)
+            lo, hi = lookup_bounds(req.spec_params.options, self.default_min)
             # search everything but the last token, so the suffix cannot match itself
             start = longest_match(ctx[:-1], ctx, lo, hi, want=k)
             drafts.append(ctx[start:start + k].tolist() if start >= 0 else [])

@@ -190,3 +190,14 @@ def test_interleaved_ab_pairs_every_prompt_and_keeps_greedy_output(tiny_model_di
         assert r["ratio_min"] <= r["speedup"] <= r["ratio_max"]
         assert r["tok_s"] / r["none_tok_s"] == pytest.approx(r["speedup"])
     assert "interleaved rounds" in capsys.readouterr().out
+
+
+def test_vllm_gets_intel_openmp_preloaded_when_its_venv_has_it(tmp_path):
+    from loadtest.bench_vllm import vllm_env
+    python = tmp_path / "bin" / "python"
+    env = vllm_env(str(python), 2, base={"LD_PRELOAD": "/x.so"})
+    assert "LD_PRELOAD" in env and env["LD_PRELOAD"] == "/x.so" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_text("")
+    env = vllm_env(str(python), 2, base={})
+    assert env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so") and env["OMP_NUM_THREADS"] == "2"

@@ -146,7 +146,8 @@ def build_speculators(cfg: EngineConfig, runner: ModelRunner, tokenizer: Tokeniz
     """method -> Speculator for everything this server can offer (grows with speculators/).
 
     draft: --draft-model (refused unless it shares the target's vocabulary); eagle3: --eagle3;
-    mtp: automatic when the target checkpoint declares num_nextn_predict_layers > 0. Serving the embedded
+    mtp: automatic when the target checkpoint declares num_nextn_predict_layers > 0; hybrid (n-gram lookup,
+    else a model drafter: speculators/hybrid.py) whenever one of those is loaded. Serving the embedded
     target (no --model), the embedded draft and EAGLE-3 head come along unless flags name others.
     Each model-based drafter owns a KV cache with the target's block count (speculators/draft_kv.py);
     build_engine sizes the target's count so that all caches together fit --kv-cache-memory-gb.
@@ -168,6 +169,10 @@ def build_speculators(cfg: EngineConfig, runner: ModelRunner, tokenizer: Tokeniz
     if model_dir is not None and runner.cfg.num_nextn_predict_layers > 0:
         from speculators.mtp import MtpSpeculator
         specs["mtp"] = MtpSpeculator.load(model_dir, runner, stash_states=cfg.enable_prefix_caching)
+    from speculators.hybrid import HybridSpeculator
+    hybrid = HybridSpeculator.over(specs)          # n-gram first, the first loaded model drafter elsewhere
+    if hybrid is not None:
+        specs["hybrid"] = hybrid
     return specs
 
 

@@ -28,7 +28,8 @@ SPECULATOR_CLASSES = {"ngram": "speculators.ngram:NgramSpeculator",
                       "prediction": "speculators.prediction:PredictionSpeculator",
                       "draft": "speculators.draft_model:DraftModelSpeculator",
                       "eagle3": "speculators.eagle3:Eagle3Speculator",
-                      "mtp": "speculators.mtp:MtpSpeculator"}
+                      "mtp": "speculators.mtp:MtpSpeculator",
+                      "hybrid": "speculators.hybrid:HybridSpeculator"}
 
 
 def class_validator(method: str) -> Callable[[dict], None]:
