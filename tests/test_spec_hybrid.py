@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine
+from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, record_proposals
 from test_spec_eagle3 import eagle_weights, write_eagle_original, write_target
 
 from sampling.params import SamplingParams
-from speculators.base import DraftProposal, SpecParams
+from speculators.base import DraftProposal, SpecParams, VerifiedStep
 from speculators.hybrid import HybridSpeculator
 
 
@@ -23,6 +23,15 @@ class FakeRequest(SimpleNamespace):
 def fake(rid, tokens, **options):
     return FakeRequest(request_id=rid, all_token_ids=tokens, num_tokens=len(tokens),
                        spec_params=SpecParams("hybrid", 4, options))
+
+
+def verified(requests):
+    """A step where request i verified 3 rows at offset 3 i and kept 2."""
+    rows = torch.zeros(3 * len(requests), 4)
+    n = len(requests)
+    return VerifiedStep(requests=list(requests), num_computed_before=[r.num_tokens - 2 for r in requests],
+                        token_offsets=[3 * i for i in range(n)], query_lens=[3] * n, valid_lens=[2] * n,
+                        num_accepted=[1] * n, sampled=[True] * n, hidden=rows, prenorm_hidden=rows, aux_hidden=[])
 
 
 class FakeDrafter:
@@ -52,15 +61,31 @@ def test_lookup_first_then_the_model_drafter_for_the_rest():
     assert out.draft_probs[0] is None and out.draft_probs[3] is None          # lookup drafts: point masses
     assert out.draft_probs[1].shape == (3, 10) and out.draft_probs[2].shape == (2, 10)
     assert head.asked == [["b", "c"]] and hybrid.drafted_by == {"ngram": 2, "eagle3": 2}
-    hybrid.observe("step")
+    step = verified([repeats, single, fresh, loose])
+    hybrid.observe(step)                                # a draft model (no stash) observes every step
     hybrid.release(repeats)
-    assert head.observed == ["step"] and head.released == ["a"]
+    assert head.observed == [step] and head.released == ["a"]
     assert HybridSpeculator.over({"ngram": object()}) is None
     assert HybridSpeculator.over({"draft": head, "mtp": object()}).fallback_name == "mtp"
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         HybridSpeculator.validate({"prompt_lookup_min": 0})
     with pytest.raises(ValueError, match="unknown"):
         HybridSpeculator.validate({"fallback": "draft"})
+
+
+def test_a_stash_keeping_head_skips_the_steps_the_lookup_drafted():
+    head = FakeDrafter()
+    head.records_states = True
+    hybrid = HybridSpeculator(head, "mtp")
+    repeats, fresh = fake("a", [1, 2, 3, 9, 1, 2, 3]), fake("c", [1, 2, 3, 4])
+    hybrid.propose([repeats, fresh], [2, 2])
+    step = verified([repeats, fresh])
+    hybrid.observe(step)
+    (seen,) = head.observed
+    assert [r.request_id for r in seen.requests] == ["c"] and seen.token_offsets == [3] and seen.valid_lens == [2]
+    assert seen.hidden is step.hidden
+    hybrid.observe(step)                                # next step (no propose: e.g. prefill): everyone
+    assert [r.request_id for r in head.observed[1].requests] == ["a", "c"]
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +122,27 @@ def test_seeded_sampling_reproduces(engine):
 def test_not_offered_without_a_model_drafter(tiny_model_dir):
     eng = make_engine(tiny_model_dir)
     assert "hybrid" not in eng.engine.spec.speculators and "hybrid" not in eng.engine.spec.methods
+
+
+def test_skipping_observes_drafts_what_observing_every_step_drafts(tmp_path):
+    """Prefix caching on: the head keeps a stash and skips the steps the lookup drafted; off: it observes
+    every step. Same drafts and draft probabilities at every propose, greedy and sampled."""
+    target = write_target(tmp_path / "target")
+    head = str(write_eagle_original(tmp_path / "head", eagle_weights(seed=9)))
+    engines = [make_engine(target, eagle3=head, enable_prefix_caching=on) for on in (True, False)]
+    assert engines[0].engine.spec.speculators["hybrid"]._can_skip
+    assert not engines[1].engine.spec.speculators["hybrid"]._can_skip
+    prompts = encode(engines[0])
+    for params in (SamplingParams(**GREEDY, max_tokens=24), SamplingParams(temperature=1.0, seed=4, max_tokens=24)):
+        logs = []
+        for eng in engines:
+            logs.append(record_proposals(eng, "hybrid"))
+            eng.generate(prompts, params, SpecParams("hybrid", 3))
+            del eng.engine.spec.speculators["hybrid"].propose
+        assert len(logs[0]) == len(logs[1]) > 10
+        for (ctx_a, drafts_a, probs_a, _), (ctx_b, drafts_b, probs_b, _) in zip(*logs):
+            assert ctx_a == ctx_b and drafts_a == drafts_b
+            if probs_a is not None:
+                torch.testing.assert_close(probs_a, probs_b, atol=1e-5, rtol=1e-4)
+    # greedy, the random target loops: the lookup drafted part of the steps, the head the rest
+    assert min(engines[0].engine.spec.speculators["hybrid"].drafted_by.values()) >= 2
