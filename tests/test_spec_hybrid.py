@@ -7,7 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, record_proposals
+from test_spec_draft_model import (
+    GREEDY,
+    assert_no_leaks,
+    encode,
+    make_engine,
+    record_proposals,
+)
 from test_spec_eagle3 import eagle_weights, write_eagle_original, write_target
 
 from sampling.params import SamplingParams
