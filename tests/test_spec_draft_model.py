@@ -131,6 +131,21 @@ def record_proposals(engine: OfflineEngine, method: str) -> list[tuple]:
     return log
 
 
+def assert_same_proposals(engines, method: str, prompts, params, spec, atol: float = 1e-6, rtol: float = 0.0):
+    """Two engines generate the same requests with `method`: same contexts and drafts at every propose
+    (more than 10 of them), draft probabilities within atol/rtol."""
+    logs = []
+    for eng in engines:
+        logs.append(record_proposals(eng, method))
+        eng.generate(prompts, params, spec)
+        del eng.engine.spec.speculators[method].propose
+    assert len(logs[0]) == len(logs[1]) > 10
+    for (ctx_a, drafts_a, probs_a, _), (ctx_b, drafts_b, probs_b, _) in zip(*logs):
+        assert ctx_a == ctx_b and drafts_a == drafts_b
+        if probs_a is not None:
+            torch.testing.assert_close(probs_a, probs_b, atol=atol, rtol=rtol)
+
+
 def reference_probs(logits: torch.Tensor,  # [k, vocab] float32 from a from-scratch forward
                     params: SamplingParams) -> torch.Tensor:
     """[k, vocab]: softmax(logits / T) after top-k (what the drafter must sample from)."""

@@ -21,6 +21,7 @@ from test_spec_draft_model import (
     GREEDY,
     Rand,
     assert_no_leaks,
+    assert_same_proposals,
     block_tensors,
     encode,
     llama_tensors,
@@ -208,16 +209,7 @@ def test_both_layouts_of_the_same_weights_draft_identically(dirs):
     assert spec.head.embed_tokens is not other.engine.runner.model.embed_tokens      # its own copy
     prompts = encode(engine)
     for params in (SamplingParams(**GREEDY, max_tokens=16), SamplingParams(temperature=1.0, seed=3, max_tokens=16)):
-        logs = []
-        for eng in (engine, other):
-            logs.append(record_proposals(eng, "eagle3"))
-            eng.generate(prompts, params, SpecParams("eagle3", 3))
-            del eng.engine.spec.speculators["eagle3"].propose
-        assert len(logs[0]) == len(logs[1]) > 10
-        for (ctx_a, drafts_a, probs_a, _), (ctx_b, drafts_b, probs_b, _) in zip(*logs):
-            assert ctx_a == ctx_b and drafts_a == drafts_b
-            if probs_a is not None:
-                torch.testing.assert_close(probs_a, probs_b, atol=1e-6, rtol=0)
+        assert_same_proposals((engine, other), "eagle3", prompts, params, SpecParams("eagle3", 3))
 
 
 @pytest.mark.parametrize("variant", ["original", "nbr"])

@@ -10,9 +10,9 @@ import torch
 from test_spec_draft_model import (
     GREEDY,
     assert_no_leaks,
+    assert_same_proposals,
     encode,
     make_engine,
-    record_proposals,
 )
 from test_spec_eagle3 import eagle_weights, write_eagle_original, write_target
 
@@ -140,15 +140,6 @@ def test_skipping_observes_drafts_what_observing_every_step_drafts(tmp_path):
     assert not engines[1].engine.spec.speculators["hybrid"]._can_skip
     prompts = encode(engines[0])
     for params in (SamplingParams(**GREEDY, max_tokens=24), SamplingParams(temperature=1.0, seed=4, max_tokens=24)):
-        logs = []
-        for eng in engines:
-            logs.append(record_proposals(eng, "hybrid"))
-            eng.generate(prompts, params, SpecParams("hybrid", 3))
-            del eng.engine.spec.speculators["hybrid"].propose
-        assert len(logs[0]) == len(logs[1]) > 10
-        for (ctx_a, drafts_a, probs_a, _), (ctx_b, drafts_b, probs_b, _) in zip(*logs):
-            assert ctx_a == ctx_b and drafts_a == drafts_b
-            if probs_a is not None:
-                torch.testing.assert_close(probs_a, probs_b, atol=1e-5, rtol=1e-4)
+        assert_same_proposals(engines, "hybrid", prompts, params, SpecParams("hybrid", 3), atol=1e-5, rtol=1e-4)
     # greedy, the random target loops: the lookup drafted part of the steps, the head the rest
     assert min(engines[0].engine.spec.speculators["hybrid"].drafted_by.values()) >= 2
