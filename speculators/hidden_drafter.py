@@ -17,9 +17,10 @@ layer m has not consumed yet wait in carry[m-1]. Rows the target rejected are ne
 the head's rollback is its `ends` counters alone. When the target served the first P positions of a
 request from its prefix cache, the head's first observe reads their layer-0 inputs from the state stash
 (record() writes every forward's rows there; speculators/state_stash.py) and runs layer 0 over bases
-[0, P + valid) at once, so it never drafts blind to a cached prompt. The same read lets a head skip
-observing a request (the engine does so while the goodput policy drafts nothing for it): the next observe,
-or propose before it drafts (catch_up), runs the layers over every base it skipped, in one forward.
+[0, P + valid) at once, so it never drafts blind to a cached prompt. The same read lets a head with a
+stash rest: observe() passes over a request the head has not drafted for since its last observe (the
+goodput policy cut its drafts, the hybrid's lookup drafted instead, or a later prefill chunk), and propose
+runs the layers over every base it skipped, in one forward (catch_up), before it drafts again.
 
 propose(), with N = num_tokens (the last token t_{N-1} has no target state yet):
   step 0:        d_1 from g^0_{N-2} (already computed by observe: no forward)
@@ -121,6 +122,8 @@ class HiddenStateDrafter:
             project=head.stash_project)
         self._seqs: dict[str, _HeadSeq] = {}
         self.num_prefix_catch_ups = 0     # requests whose cached prompt prefix the head read from the stash
+        self.num_rested = 0               # request-steps observe() passed over (the stash fills them in)
+        self._drafted: set[str] = set()   # requests proposed for since their last observe
         # reason -> count since the engine last drained it (spec_decode_refused_total):
         # "drafter_cache_full": a step drafted nothing for want of KV room; "prefix_unseen": the head had
         # no room for a cached prompt prefix and drafts from the positions after it
@@ -137,6 +140,11 @@ class HiddenStateDrafter:
     def observe(self, step: VerifiedStep) -> None:
         items, rows, firsts = [], [], []
         for i, req in enumerate(step.requests):
+            if (self.stash is not None and req.request_id not in self._drafted
+                    and req.request_id in self._seqs):
+                self.num_rested += 1
+                continue                # resting: catch_up reads the gap from the stash before it drafts
+            self._drafted.discard(req.request_id)
             start, valid = step.num_computed_before[i], step.valid_lens[i]
             seq = self._sync(req, start, start + valid)
             if seq is None:
@@ -220,7 +228,9 @@ class HiddenStateDrafter:
     # -- propose: k draft steps, batched -------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
-        self.catch_up([req for req, k in zip(requests, ks) if k > 0])
+        asked = [req for req, k in zip(requests, ks) if k > 0]
+        self._drafted.update(req.request_id for req in asked)
+        self.catch_up(asked)
         live: list[_Live] = []
         for i, (req, k) in enumerate(zip(requests, ks)):
             seq = self._seqs.get(req.request_id)
@@ -294,6 +304,7 @@ class HiddenStateDrafter:
         append_drafts(items, logits, [it.seq.generator for it in items])
 
     def release(self, request) -> None:
+        self._drafted.discard(request.request_id)
         seq = self._seqs.pop(request.request_id, None)
         if seq is not None:
             self.cache.free(seq.kv)

@@ -8,10 +8,10 @@ nearly free lookup drafts; fresh text gets the head's.
 
 Why it stays exact: the choice depends only on the context, never on this step's target draw, and each
 source's drafts come with their own draft distribution (n-gram: a point mass, draft_probs None; the
-head: its probabilities), which is all the rejection sampler needs. The model drafter never drafts from
-a stale state: a draft model observes every step of the request; an EAGLE-3/MTP head that keeps a state
-stash (prefix caching on) skips the steps the lookup drafted and catches up from the stash, in one
-forward, the next time it drafts (as under the goodput policy, speculators/hidden_drafter.py).
+head: its probabilities), which is all the rejection sampler needs. The model drafter sees every step of
+the request and never drafts from a stale state: a draft model observes them all; an EAGLE-3/MTP head
+with a state stash (prefix caching on) rests through the steps the lookup drafted and catches up from
+the stash, in one forward, the next time it drafts (speculators/hidden_drafter.py).
 
 Worked example, k = 4, prompt_lookup_min 2: context "... a = f(x)\\n b = f(x)\\n a = f(" ends with
 "= f(", which occurred before (n = 3 >= 2) -> lookup drafts "x)\\n b". A step later the context ends
@@ -21,7 +21,6 @@ Options (request `speculation` object): prompt_lookup_min (default 2), prompt_lo
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from speculators.base import DraftProposal, VerifiedStep
@@ -39,9 +38,6 @@ class HybridSpeculator:
         self.fallback = fallback
         self.fallback_name = fallback_name
         self.drafted_by = {"ngram": 0, fallback_name: 0}          # requests-steps each source drafted
-        # request ids the lookup drafted this step: a stash-keeping head need not observe them
-        self._looked_up: set[str] = set()
-        self._can_skip = bool(getattr(fallback, "records_states", False))
 
     @classmethod
     def over(cls, speculators: dict) -> HybridSpeculator | None:
@@ -58,7 +54,6 @@ class HybridSpeculator:
         token_ids, probs = list(found.token_ids), list(found.draft_probs)
         rest = [i for i, d in enumerate(token_ids) if not d]
         self.drafted_by["ngram"] += len(requests) - len(rest)
-        self._looked_up = {r.request_id for r, d in zip(requests, token_ids) if d}
         if rest:
             drafted = self.fallback.propose([requests[i] for i in rest], [ks[i] for i in rest])
             for j, i in enumerate(rest):
@@ -68,23 +63,10 @@ class HybridSpeculator:
 
     def observe(self, step: VerifiedStep) -> None:
         observe = getattr(self.fallback, "observe", None)
-        if observe is None:
-            return
-        if self._can_skip and self._looked_up:
-            step = only(step, [i for i, r in enumerate(step.requests) if r.request_id not in self._looked_up])
-        self._looked_up = set()
-        if step.requests:
+        if observe is not None:
             observe(step)
 
     def release(self, request) -> None:
         self.lookup.release(request)
         self.fallback.release(request)
 
-
-def only(step: VerifiedStep, keep: list[int]) -> VerifiedStep:
-    """The step restricted to requests[keep] (the tensors stay whole: rows are found by token_offsets)."""
-    if len(keep) == len(step.requests):
-        return step
-    fields = ("requests", "num_computed_before", "token_offsets", "query_lens", "valid_lens", "num_accepted",
-              "sampled")
-    return dataclasses.replace(step, **{f: [getattr(step, f)[i] for i in keep] for f in fields})

@@ -79,21 +79,6 @@ def test_lookup_first_then_the_model_drafter_for_the_rest():
         HybridSpeculator.validate({"fallback": "draft"})
 
 
-def test_a_stash_keeping_head_skips_the_steps_the_lookup_drafted():
-    head = FakeDrafter()
-    head.records_states = True
-    hybrid = HybridSpeculator(head, "mtp")
-    repeats, fresh = fake("a", [1, 2, 3, 9, 1, 2, 3]), fake("c", [1, 2, 3, 4])
-    hybrid.propose([repeats, fresh], [2, 2])
-    step = verified([repeats, fresh])
-    hybrid.observe(step)
-    (seen,) = head.observed
-    assert [r.request_id for r in seen.requests] == ["c"] and seen.token_offsets == [3] and seen.valid_lens == [2]
-    assert seen.hidden is step.hidden
-    hybrid.observe(step)                                # next step (no propose: e.g. prefill): everyone
-    assert [r.request_id for r in head.observed[1].requests] == ["a", "c"]
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid")
@@ -131,15 +116,16 @@ def test_not_offered_without_a_model_drafter(tiny_model_dir):
 
 
 def test_skipping_observes_drafts_what_observing_every_step_drafts(tmp_path):
-    """Prefix caching on: the head keeps a stash and skips the steps the lookup drafted; off: it observes
-    every step. Same drafts and draft probabilities at every propose, greedy and sampled."""
+    """Prefix caching on: the head keeps a stash and rests through the steps the lookup drafted; off: it
+    observes every step. Same drafts and draft probabilities at every propose, greedy and sampled."""
     target = write_target(tmp_path / "target")
     head = str(write_eagle_original(tmp_path / "head", eagle_weights(seed=9)))
     engines = [make_engine(target, eagle3=head, enable_prefix_caching=on) for on in (True, False)]
-    assert engines[0].engine.spec.speculators["hybrid"]._can_skip
-    assert not engines[1].engine.spec.speculators["hybrid"]._can_skip
     prompts = encode(engines[0])
     for params in (SamplingParams(**GREEDY, max_tokens=24), SamplingParams(temperature=1.0, seed=4, max_tokens=24)):
         assert_same_proposals(engines, "hybrid", prompts, params, SpecParams("hybrid", 3), atol=1e-5, rtol=1e-4)
     # greedy, the random target loops: the lookup drafted part of the steps, the head the rest
     assert min(engines[0].engine.spec.speculators["hybrid"].drafted_by.values()) >= 2
+    # with the stash the head rested through the lookup's steps; without it, it observed every one
+    rested = [eng.engine.spec.speculators["eagle3"].drafter.num_rested for eng in engines]
+    assert rested[0] > 0 and rested[1] == 0

@@ -4,10 +4,10 @@ Requests with different methods and k share the step; each method proposes once 
 A request whose speculator proposes fewer than its k (e.g. no n-gram match) verifies fewer drafts;
 a step where it proposes none is a plain decode step for that request.
 
-A request the goodput policy cut to no drafts this step is not handed to its head's observe when the
-head keeps a state stash (`records_states`): it catches up from the stash, in one forward, the next
-time it drafts. Under load, where the policy cuts most drafts, the heads then cost (almost) nothing,
-instead of a head forward over every request every step.
+A head that keeps a state stash (`records_states`) passes over, in its own observe, the requests it has
+not drafted for since it last observed them (e.g. the goodput policy cut them to no drafts) and catches
+up from the stash, in one forward, the next time it drafts (speculators/hidden_drafter.py). Under load,
+where the policy cuts most drafts, the heads then cost (almost) nothing.
 """
 from __future__ import annotations
 
@@ -50,7 +50,6 @@ class SpecDispatcher:
     def __init__(self, speculators: dict | None = None, policy=None) -> None:
         self.speculators = dict(speculators or {})    # method -> Speculator
         self.policy = policy                          # GoodputPolicy or None: learns draft costs and acceptance
-        self._idle: set[str] = set()                  # request ids the policy cut to 0 drafts this step
 
     @property
     def methods(self) -> list[str]:
@@ -62,13 +61,10 @@ class SpecDispatcher:
 
     def propose(self, seqs: list[ScheduledSeq], stats: StepStats
                 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        self._idle = set()
         if self.policy is not None:          # cuts num_draft_slots where drafting does not pay; counted
-            asked = [s.num_draft_slots for s in seqs]
             cut = self.policy.trim(seqs)
             if cut:
                 stats.spec_refused["load"] = stats.spec_refused.get("load", 0) + cut
-                self._idle = {s.request.request_id for s, k in zip(seqs, asked) if k > 0 == s.num_draft_slots}
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[torch.Tensor | None] = [None for _ in seqs]
         groups: dict[str, list[int]] = {}
@@ -141,10 +137,6 @@ class SpecDispatcher:
             spec = self.speculators[method]
             if not hasattr(spec, "observe"):
                 continue
-            if getattr(spec, "records_states", False):     # the stash can fill the gap: skip idle requests
-                idx = [i for i in idx if seqs[i].request.request_id not in self._idle]
-                if not idx:
-                    continue
             spec.observe(VerifiedStep(
                 requests=[seqs[i].request for i in idx],
                 num_computed_before=[computed_before[i] for i in idx],
