@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from loadtest.bench_spec import none_throughput
+
 RESULTS = Path(__file__).resolve().parent / "results"
 HF_GOAL, VLLM_GOAL, FLOOR_GOAL = 2.0, 1.0, 0.95
 
@@ -47,11 +49,11 @@ def floor_targets(results: list[dict], policy: str) -> list[dict]:
     (method, k) ÷ none at the same cell."""
     top = max(r["concurrency"] for r in results)
     at_top = [r for r in results if r["concurrency"] == top]
+    base_of = none_throughput(at_top)                     # (concurrency, T, prompt set) -> none tok/s
     rows = []
     for pset, temp in sorted({(r["prompt_set"], r["temperature"]) for r in at_top}):
-        cell = [r for r in at_top if (r["prompt_set"], r["temperature"]) == (pset, temp)]
-        base = next((r["output_throughput"] for r in cell if r["method"] == "none"), None)
-        spec = [r for r in cell if r["method"] != "none"]
+        base = base_of.get((top, temp, pset))
+        spec = [r for r in at_top if (r["prompt_set"], r["temperature"]) == (pset, temp) and r["method"] != "none"]
         if base is None or not spec:
             continue
         best = max(spec, key=lambda r: r["output_throughput"])
