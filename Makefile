@@ -1,4 +1,5 @@
 # specserve: every target sets up its own venv from nothing (python3 -m venv + pip install -e .[test]).
+# The test venv also holds vLLM's `speculators` library (no deps): the suite runs beside it, as users do.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,13 +7,15 @@ STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
+SPECULATORS_PIN := speculators==0.9.0
 
-.PHONY: venv serve test test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report gpu-check lint clean
+.PHONY: venv system-deps serve test test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report gpu-check lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps $(SPECULATORS_PIN)
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -20,7 +23,19 @@ venv: $(STAMP)
 serve: venv
 	$(BIN)/specserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: venv
+# System tools the tests run for real: Debian's prometheus (prometheus + promtool) for the dashboard's PromQL
+# and the compose config. Installed with apt-get when missing (as root, else sudo); says the command if it cannot.
+system-deps:
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  echo "installing Debian's prometheus (needed by tests/test_prometheus_dashboard.py)"; \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null \
+	  || { $$SUDO apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+	       $$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null; } \
+	  || { echo "could not install prometheus; run as root: apt-get update && apt-get install -y --no-install-recommends prometheus"; exit 1; }; \
+	fi
+
+test: venv system-deps
 	$(BIN)/python -m pytest -q -ra
 
 bench-decode: venv
@@ -46,7 +61,7 @@ bench-server-ab: venv
 bench-vllm: venv
 	$(BIN)/python -m loadtest.bench_vllm $(ARGS)
 
-# Issue 7's targets in one run: HF ratios at batch 1, ours vs vLLM n-gram, best method vs none at concurrency 16.
+# The headline comparisons in one run: HF ratios at batch 1, ours vs vLLM n-gram, best method vs none at concurrency 16.
 bench-report: venv
 	$(BIN)/python -m loadtest.bench_report $(ARGS)
 
@@ -57,8 +72,7 @@ gpu-check: venv
 	$(BIN)/python -m loadtest.bench_decode --device cuda --dtype bfloat16 --quick
 
 lint: venv
-	$(BIN)/python -m pip install -q ruff
-	$(BIN)/ruff check server speculators sampling loadtest tests
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,7 +14,7 @@ ones, and each row pools
 tokens and seconds over the rounds: on a VM whose speed drifts by tens of percent within minutes, a fixed
 order alone moved the ratios by ~20 %. Printed: output tokens/s and the
 ratios ours ÷ HF — plain vs none, draft vs assisted, ngram vs prompt lookup, and our best vs each.
-"ours offline" rows: our engine in this process without HTTP (OfflineEngine; none and ngram by default, same
+"ours offline" rows: our engine in this process without HTTP (specserve.LLM; none and ngram by default, same
 prompts, a third side of every round), so the cost of the serving path (engine thread hand-off, detokenizing,
 SSE, the client on the same cores) shows as HTTP none ÷ offline none, and a second table compares the engine
 alone with HF generate(), neither behind HTTP.
@@ -83,16 +83,16 @@ def hf_rows(models: Path, sets: list[str], n: int, max_tokens: int, k: int, dtyp
 
 
 def offline_engine(models: Path, threads: int, dtype: str, compile_: bool = False):
-    from server.config import EngineConfig
-    from server.engine.offline import OfflineEngine
-    return OfflineEngine.from_config(EngineConfig(model=str(models / "target"), dtype=dtype, num_threads=threads,
+    from specserve import LLM
+    from specserve.server.config import EngineConfig
+    return LLM(config=EngineConfig(model=str(models / "target"), dtype=dtype, num_threads=threads,
                                                   kv_cache_memory_gb=0.25, compile=compile_))
 
 
 def offline_generate(eng, prompt: str, method: str, k: int, max_tokens: int) -> tuple[int, float]:
     """One greedy request of exactly max_tokens on the engine without HTTP -> (tokens, seconds)."""
-    from sampling.params import SamplingParams
-    from speculators.base import SpecParams
+    from specserve.sampling.params import SamplingParams
+    from specserve.speculators.base import SpecParams
     ids = eng.engine.tokenizer.encode(prompt)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -181,16 +181,21 @@ def serving_cost(rows: list[dict]) -> list[str]:
         get = {(r["who"], r["method"]): r["tok_per_s"] for r in rows if r["prompt_set"] == pset}
         if ("ours", "none") in get and ("ours-offline", "none") in get:
             lines.append(f"{pset}: HTTP none {get[('ours', 'none')]:.1f} tok/s ÷ offline none "
-                         f"{get[('ours-offline', 'none')]:.1f} = {get[('ours', 'none')] / get[('ours-offline', 'none')]:.2f}")
+                         f"{get[('ours-offline', 'none')]:.1f} = "
+                         f"{get[('ours', 'none')] / get[('ours-offline', 'none')]:.2f}")
     return lines
 
 
 def print_table(table: list[dict]) -> None:
-    print(f"\n{'prompt set':18s} {'HF mode':14s} {'HF tok/s':>9s} {'ours (same)':>14s} {'ratio':>6s}"
-          f" {'ours (best)':>14s} {'ratio':>6s}")
+    print(
+        f"\n{'prompt set':18s} {'HF mode':14s} {'HF tok/s':>9s} {'ours (same)':>14s} {'ratio':>6s}"
+        f" {'ours (best)':>14s} {'ratio':>6s}"
+    )
     for r in table:
-        print(f"{r['prompt_set']:18s} {r['hf']:14s} {r['hf_tok_per_s']:9.1f} {r['ours_same']:>14s}"
-              f" {r['ratio_same']:6.2f} {r['ours_best']:>14s} {r['ratio_best']:6.2f}")
+        print(
+            f"{r['prompt_set']:18s} {r['hf']:14s} {r['hf_tok_per_s']:9.1f} {r['ours_same']:>14s}"
+            f" {r['ratio_same']:6.2f} {r['ours_best']:>14s} {r['ratio_best']:6.2f}"
+        )
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
@@ -204,10 +209,17 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides, HF and ours")
     ap.add_argument("--methods", default=None, help="our methods besides none (default: all loaded but prediction)")
     ap.add_argument("--compile", action="store_true", help="ours with --compile (torch.compile'd layer stacks)")
-    ap.add_argument("--server-args", default="", help="extra flags for our server, after the ones that match HF's "
-                    "setup (they win where they repeat one, e.g. --num-threads)")
-    ap.add_argument("--offline-methods", default="none,ngram",
-                    help="methods the engine runs without HTTP (none is needed for the serving-path cost)")
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="extra flags for our server, after the ones that match HF's "
+        "setup (they win where they repeat one, e.g. --num-threads)",
+    )
+    ap.add_argument(
+        "--offline-methods",
+        default="none,ngram",
+        help="methods the engine runs without HTTP (none is needed for the serving-path cost)",
+    )
 
 
 def our_server_args(args) -> list[str]:
@@ -234,10 +246,13 @@ def main(argv=None) -> None:
     rows = []
     with started_server(None, server_args) as url:
         methods = args.methods.split(",") if args.methods else [m for m in offered_methods(url) if m != "prediction"]
-        sides = {"HF": lambda: hf_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.k, args.dtype),
-                 "ours": lambda: our_rows(url, args.prompt_sets, args.prompts, args.max_tokens, args.k, methods),
-                 "ours offline": lambda: offline_rows(eng, args.prompt_sets, args.prompts, args.max_tokens, args.k,
-                                                      offline_methods)}
+        sides = {
+            "HF": lambda: hf_rows(args.models, args.prompt_sets, args.prompts, args.max_tokens, args.k, args.dtype),
+            "ours": lambda: our_rows(url, args.prompt_sets, args.prompts, args.max_tokens, args.k, methods),
+            "ours offline": lambda: offline_rows(
+                eng, args.prompt_sets, args.prompts, args.max_tokens, args.k, offline_methods
+            ),
+        }
         for rnd in range(args.rounds):
             order = list(sides) if rnd % 2 == 0 else list(sides)[::-1]
             print(f"-- round {rnd + 1} of {args.rounds}: " + ", ".join(order), flush=True)
@@ -255,17 +270,30 @@ def main(argv=None) -> None:
         for rnd in range(args.rounds):
             for r in ratios([x for x in per_round if x.get("round") == rnd]):
                 spread.setdefault((r["prompt_set"], r["hf"]), []).append(r["ratio_best"])
-        print("ours best ÷ HF per round: " + "; ".join(
-            f"{pset} {mode} " + "/".join(f"{v:.2f}" for v in vals) for (pset, mode), vals in spread.items()))
+        print(
+            "ours best ÷ HF per round: "
+            + "; ".join(f"{pset} {mode} " + "/".join(f"{v:.2f}" for v in vals) for (pset, mode), vals in spread.items())
+        )
     print("\nserving path cost at batch 1: " + "; ".join(serving_cost(rows)))
     out = RESULTS / time.strftime("baselines-%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     command = "python -m loadtest.bench_baselines " + " ".join(sys.argv[1:] if argv is None else argv)
-    meta = {"command": command, "machine": platform.platform(),
-            "processor": platform.processor(), "torch": torch.__version__, "threads": args.threads,
-            "dtype": args.dtype, "compile": args.compile, "rounds": args.rounds}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "per_round": per_round,
-                                                 "ratios": table, "ratios_offline": offline_table}, indent=2))
+    meta = {
+        "command": command,
+        "machine": platform.platform(),
+        "processor": platform.processor(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "rounds": args.rounds,
+    }
+    (out / "results.json").write_text(
+        json.dumps(
+            {"meta": meta, "rows": rows, "per_round": per_round, "ratios": table, "ratios_offline": offline_table},
+            indent=2,
+        )
+    )
     print(f"wrote {out / 'results.json'}")
 
 

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from sampling.params import SamplingParams
-from server.config import EngineConfig
-from server.engine.offline import OfflineEngine
+from specserve import LLM
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig
 
 CONFIG_30M = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
@@ -30,9 +30,10 @@ def make_checkpoint(path: str, vocab: int) -> int:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, **CONFIG_30M))
     model.save_pretrained(path, safe_serialization=True)
-    from server.engine.builder import EMBEDDED_TOKENIZER
     from transformers import AutoTokenizer
-    AutoTokenizer.from_pretrained(str(EMBEDDED_TOKENIZER)).save_pretrained(path)
+
+    from specserve.server.models.embedded import require as embedded_family
+    AutoTokenizer.from_pretrained(str(embedded_family().tokenizer)).save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -48,12 +49,12 @@ def hf_tokens_per_s(path: str, dtype: torch.dtype, prompt: list[int], new: int) 
         return new / (time.perf_counter() - t)
 
 
-def ours_tokens_per_s(eng: OfflineEngine, prompts: list[list[int]], new: int) -> tuple[float, float]:
+def ours_tokens_per_s(eng: LLM, prompts: list[list[int]], new: int) -> tuple[float, float]:
     """(aggregate tokens/s, mean seconds per engine step during decode)."""
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    eng.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    eng.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), "none")
     t = time.perf_counter()
-    outs = eng.generate(prompts, params)
+    outs = eng.generate(prompts, params, "none")
     dt = time.perf_counter() - t
     total = sum(len(o.token_ids) for o in outs)
     steps = max(o.num_steps for o in outs)
@@ -97,9 +98,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     dtypes = [args.dtype] if args.dtype else args.dtypes
     new = 32 if args.quick else args.new_tokens
-    from server.engine.builder import EMBEDDED_TOKENIZER
-    from server.engine.tokenizer import Tokenizer
-    vocab = Tokenizer(str(EMBEDDED_TOKENIZER)).vocab_size
+    from specserve.server.engine.tokenizer import Tokenizer
+    from specserve.server.models.embedded import require as embedded_family
+    vocab = Tokenizer(str(embedded_family().tokenizer)).vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
                for _ in range(args.concurrency)]
@@ -111,9 +112,9 @@ def main() -> None:
               f"{'ours b16':>9} {'b16/b1':>7} | {'step ms':>7} {'roofline ms':>11} {'ratio':>6}")
         for name in dtypes:
             dtype = getattr(torch, name)
-            def engine(compile_: bool) -> OfflineEngine:
-                return OfflineEngine.from_config(EngineConfig(model=path, dtype=name, device=args.device,
-                                                              kv_cache_memory_gb=0.5, compile=compile_))
+            def engine(compile_: bool, name: str = name) -> LLM:
+                return LLM(config=EngineConfig(model=path, dtype=name, device=args.device,
+                                               kv_cache_memory_gb=0.5, compile=compile_))
 
             engines = {"eager": engine(False)}
             try:
@@ -123,7 +124,7 @@ def main() -> None:
             measure = {mode: (lambda e=eng: ours_tokens_per_s(e, prompts[:1], new)[0])
                        for mode, eng in engines.items()}
             if args.device == "cpu":
-                measure["hf"] = lambda: hf_tokens_per_s(path, dtype, prompts[0], new)
+                measure["hf"] = lambda dtype=dtype: hf_tokens_per_s(path, dtype, prompts[0], new)
             best = best_of_rounds(measure, args.rounds)
             hf = best.get("hf", float("nan"))
             b1, b1c = best["eager"], best.get("compiled", float("nan"))

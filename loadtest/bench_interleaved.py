@@ -18,19 +18,19 @@ import time
 
 from loadtest.bench_spec_core import mean_acceptance
 from loadtest.prompt_sets import load_prompt_set
-from sampling.params import SamplingParams
-from server.config import EngineConfig
-from server.engine.offline import OfflineEngine
-from speculators.base import SpecParams
+from specserve import LLM
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig
+from specserve.speculators.base import SpecParams
 
 
-def timed(eng: OfflineEngine, prompt: list[int], params: SamplingParams, spec: SpecParams):
+def timed(eng: LLM, prompt: list[int], params: SamplingParams, spec: SpecParams):
     start = time.perf_counter()
     out = eng.generate([prompt], params, spec)[0]
     return time.perf_counter() - start, out
 
 
-def ab(eng: OfflineEngine, prompts: list[list[int]], spec: SpecParams, temperature: float, new_tokens: int,
+def ab(eng: LLM, prompts: list[list[int]], spec: SpecParams, temperature: float, new_tokens: int,
        rounds: int) -> dict:
     """Interleaved rounds of (none, method) per prompt -> summed times, per-round ratios, acceptance."""
     plain_s = spec_s = 0.0
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
-    eng = OfflineEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, compile=args.compile,
+    eng = LLM(config=EngineConfig(model=args.model, dtype=args.dtype, compile=args.compile,
                                                  speculation_policy="fixed", kv_cache_memory_gb=0.5))
     tok = eng.engine.tokenizer
     prompts = [tok.encode(row["prompt"]) for row in load_prompt_set(args.prompt_set)[:args.num_prompts]]
@@ -86,10 +86,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for k in [int(k) for k in args.ks.split(",")]:
                 r = ab(eng, prompts, SpecParams(method, k), temperature, args.new_tokens, args.rounds)
                 rows.append({"temperature": temperature, "method": method, "k": k, **r})
-                note = f"  greedy output differs from plain in {r['greedy_mismatches']}" if r["greedy_mismatches"] else ""
-                print(f"{temperature:4.1f} {method:8s} {k:2d} {r['none_tok_s']:10.1f} {r['tok_s']:7.1f} "
-                      f"{r['speedup']:7.2f}x {r['ratio_min']:5.2f}-{r['ratio_max']:4.2f} {r['tau']:5.2f}{note}",
-                      flush=True)
+                note = (
+                    f"  greedy output differs from plain in {r['greedy_mismatches']}" if r["greedy_mismatches"] else ""
+                )
+                print(
+                    f"{temperature:4.1f} {method:8s} {k:2d} {r['none_tok_s']:10.1f} {r['tok_s']:7.1f} "
+                    f"{r['speedup']:7.2f}x {r['ratio_min']:5.2f}-{r['ratio_max']:4.2f} {r['tau']:5.2f}{note}",
+                    flush=True,
+                )
     return rows
 
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from sampling.params import SamplingParams
-from server.config import EngineConfig
-from server.engine.offline import OfflineEngine
-from server.metrics import Metrics
-from speculators.base import SpecParams
+from specserve import LLM
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig
+from specserve.server.metrics import Metrics
+from specserve.speculators.base import SpecParams
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 1024}
@@ -66,10 +66,10 @@ def make_checkpoint(path: str, size: str, vocab: int) -> None:
         return
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from server.engine.builder import EMBEDDED_TOKENIZER
+    from specserve.server.models.embedded import require as embedded_family
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=vocab, **TINY)).save_pretrained(path, safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(EMBEDDED_TOKENIZER)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(embedded_family().tokenizer)).save_pretrained(path)
 
 
 def workload(vocab: int, batch: int, new: int):
@@ -86,12 +86,12 @@ def workload(vocab: int, batch: int, new: int):
     return prompts, params, specs, preds
 
 
-def run_arm(eng: OfflineEngine, metered: MeteredEngine, metrics: Metrics | None, load) -> tuple[float, float]:
+def run_arm(eng: LLM, metered: MeteredEngine, metrics: Metrics | None, load) -> tuple[float, float]:
     """(steps per wall second, steps per CPU second of this process)."""
     metered.metrics = metrics
     metered.steps = 0
     t, cpu = time.perf_counter(), time.process_time()
-    eng.generate(*load[:2], spec=load[2], predictions=load[3])
+    eng.generate(*load[:2], speculation=load[2], predictions=load[3])
     return metered.steps / (time.perf_counter() - t), metered.steps / (time.process_time() - cpu)
 
 
@@ -117,16 +117,16 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from server.engine.builder import EMBEDDED_TOKENIZER
-    from server.engine.tokenizer import Tokenizer
-    vocab = Tokenizer(str(EMBEDDED_TOKENIZER)).vocab_size
+    from specserve.server.engine.tokenizer import Tokenizer
+    from specserve.server.models.embedded import require as embedded_family
+    vocab = Tokenizer(str(embedded_family().tokenizer)).vocab_size
     with tempfile.TemporaryDirectory() as path:
         make_checkpoint(path, args.size, vocab)
         cfg = EngineConfig(model=path, served_model_name="bench", dtype="float32", device=args.device,
                            kv_cache_memory_gb=0.25, num_threads=args.num_threads)
-        base = OfflineEngine.from_config(cfg)
+        base = LLM(config=cfg)
         metered = MeteredEngine(base.engine)
-        eng = OfflineEngine(metered)
+        eng = LLM.from_engine(metered)
         metrics = Metrics()
         metrics.set_model_name("bench", {m: cfg.max_speculative_tokens for m in base.engine.spec.methods})
         load = workload(vocab, args.batch, args.new_tokens)

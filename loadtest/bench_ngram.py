@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 
-from sampling.params import SamplingParams
-from server.engine.request import Request
-from speculators.base import SpecParams
-from speculators.ngram import NgramSpeculator
+from specserve.sampling.params import SamplingParams
+from specserve.server.engine.request import Request
+from specserve.speculators.base import SpecParams
+from specserve.speculators.ngram import NgramSpeculator
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
         steps = 50
         t = time.perf_counter()
         found = 0
-        for s in range(steps):
+        for _ in range(steps):
             for r in reqs:
                 r.output_token_ids.append(int(rng.integers(0, 2000)))
             out = spec.propose(reqs, [4] * 64)

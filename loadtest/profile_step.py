@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 
 from loadtest.prompt_sets import load_prompt_set
-from sampling.params import SamplingParams
-from server.config import EngineConfig
-from server.engine.offline import OfflineEngine
-from speculators.base import SpecParams
+from specserve import LLM
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig
+from specserve.speculators.base import SpecParams
 
 STAGES = (("propose", "spec", "propose"), ("prepare", "runner", "prepare"), ("forward", "model", "forward_states"),
           ("logits", "model", "compute_logits"), ("observe", "spec", "observe"), ("emit", "engine", "_emit"))
@@ -30,7 +30,7 @@ STAGES = (("propose", "spec", "propose"), ("prepare", "runner", "prepare"), ("fo
 class StageTimers:
     """Timers around the engine's stages; `totals` holds seconds per stage."""
 
-    def __init__(self, eng: OfflineEngine) -> None:
+    def __init__(self, eng: LLM) -> None:
         e = eng.engine
         owners = {"spec": e.spec, "runner": e.runner, "model": e.runner.model, "engine": e}
         self.totals: dict[str, float] = collections.defaultdict(float)
@@ -48,7 +48,7 @@ class StageTimers:
         return timed
 
 
-def profile(eng: OfflineEngine, timers: StageTimers, prompts: list[list[int]], spec: SpecParams,
+def profile(eng: LLM, timers: StageTimers, prompts: list[list[int]], spec: SpecParams,
             params: SamplingParams) -> dict:
     """One generate() over all prompts at once -> tokens/s, steps, ms per step and per stage."""
     timers.totals.clear()
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--compile", action="store_true", help="torch.compile the layer stacks (specserve --compile)")
     args = ap.parse_args(argv)
-    eng = OfflineEngine.from_config(EngineConfig(model=args.model, kv_cache_memory_gb=args.kv_cache_memory_gb,
+    eng = LLM(config=EngineConfig(model=args.model, kv_cache_memory_gb=args.kv_cache_memory_gb,
                                                  speculation_policy="fixed", dtype=args.dtype,
                                                  compile=args.compile))
     tok = eng.engine.tokenizer

@@ -1,4 +1,4 @@
-"""Start `python -m server serve` as a subprocess for benchmarks (or use a given URL)."""
+"""Start `python -m specserve.server serve` as a subprocess for benchmarks (or use a given URL)."""
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +27,7 @@ def started_server(url: str | None, extra: list[str], timeout: float = 300) -> I
         yield url
         return
     port = free_port()
-    with started_process([sys.executable, "-m", "server", "serve", "--port", str(port), *extra], port,
+    with started_process([sys.executable, "-m", "specserve.server", "serve", "--port", str(port), *extra], port,
                          timeout=timeout) as u:
         yield u
 

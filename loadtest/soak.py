@@ -109,7 +109,7 @@ class Server:
 
 def start_server(model: str | None, extra: list[str], log_path: Path) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), "--log-level", "warning", *extra]
+    cmd = [sys.executable, "-m", "specserve.server", "serve", "--port", str(port), "--log-level", "warning", *extra]
     if model:
         cmd += ["--model", model]
     with open(log_path, "wb") as log:

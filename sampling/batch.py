@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sampling.outputs import SeqSamplingInput
-from sampling.params import SamplingParams
+from specserve.sampling.outputs import SeqSamplingInput
+from specserve.sampling.params import SamplingParams
 
 # Temperatures below this are decoded greedily: the scaled distribution is one-hot up to float
 # rounding, and dividing by ~0 would overflow float32 logits to inf (softmax -> NaN).

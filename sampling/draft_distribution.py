@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sampling.outputs import SeqSamplingInput
+from specserve.sampling.outputs import SeqSamplingInput
 
 
 @dataclass

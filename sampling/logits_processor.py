@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
-from sampling.batch import SamplingBatch
-from sampling.params import SamplingParams
-from sampling.penalties import apply_penalties
+from specserve.sampling.batch import SamplingBatch
+from specserve.sampling.params import SamplingParams
+from specserve.sampling.penalties import apply_penalties
 
 
 class LogitsProcessor:

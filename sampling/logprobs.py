@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sampling.outputs import TokenLogprob
+from specserve.sampling.outputs import TokenLogprob
 
 
 def collect_logprobs(target_logits: torch.Tensor,  # [num_rows, vocab] raw

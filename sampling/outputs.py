@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sampling.params import SamplingParams
+from specserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     import torch

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from sampling.batch import RowGroup, SamplingBatch
-from sampling.outputs import SeqSamplingInput
+from specserve.sampling.batch import RowGroup, SamplingBatch
+from specserve.sampling.outputs import SeqSamplingInput
 
 
 def _flat_index(token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device,

@@ -30,12 +30,12 @@ from collections.abc import Sequence
 
 import torch
 
-from sampling.batch import SamplingBatch
-from sampling.draft_distribution import DraftDistribution
-from sampling.logprobs import collect_logprobs
-from sampling.outputs import SeqSamplingInput, SeqSamplingOutput
-from sampling.rng import RandomDraws, inverse_cdf
-from sampling.sampler import Sampler
+from specserve.sampling.batch import SamplingBatch
+from specserve.sampling.draft_distribution import DraftDistribution
+from specserve.sampling.logprobs import collect_logprobs
+from specserve.sampling.outputs import SeqSamplingInput, SeqSamplingOutput
+from specserve.sampling.rng import RandomDraws, inverse_cdf
+from specserve.sampling.sampler import Sampler
 
 
 def _count_accepted(accepted: torch.Tensor,  # [m, max_drafts] bool

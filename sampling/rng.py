@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sampling.outputs import SeqSamplingInput
+from specserve.sampling.outputs import SeqSamplingInput
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sampling.batch import SamplingBatch
-from sampling.logits_processor import LogitsProcessor
-from sampling.params import SamplingParams
-from sampling.truncation import apply_min_p, apply_top_k_top_p
+from specserve.sampling.batch import SamplingBatch
+from specserve.sampling.logits_processor import LogitsProcessor
+from specserve.sampling.params import SamplingParams
+from specserve.sampling.truncation import apply_min_p, apply_top_k_top_p
 
 
 @dataclass

@@ -1,7 +1,7 @@
-"""`python -m server serve ...` is the `specserve` console script."""
+"""`python -m specserve.server serve ...` is the `specserve` console script."""
 import sys
 
-from server.cli import main
+from specserve.server.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,9 +13,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from server.api.lifecycle import LifecycleConfig
-from server.api.limits import Limits
-from server.config import (
+from specserve.server.api.lifecycle import LifecycleConfig
+from specserve.server.api.limits import Limits
+from specserve.server.config import (
     DTYPES,
     SPECULATION_POLICIES,
     EngineConfig,
@@ -38,6 +38,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=e.model, metavar="DIR",
                    help="HF-layout model directory (config.json + *.safetensors + tokenizer). Default: the "
                         "embedded model in models/, or a small random-weight Llama if that is absent")
+    g.add_argument("--models-dir", default=e.models_dir, metavar="DIR",
+                   help="the embedded model family's folder (target/, draft/, eagle3/, tokenizer/). Default: "
+                        "$SPECSERVE_MODELS_DIR, else the models/ folder of the checkout an editable install "
+                        "came from")
     g.add_argument("--served-model-name", default=e.served_model_name, metavar="NAME",
                    help="model id in /v1/models and the `model` every request must send. "
                         "Default: the model directory's name")
@@ -189,8 +193,8 @@ def _names(cls: type) -> list[str]:
 
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, limits: Limits,
           lifecycle: LifecycleConfig | None = None) -> int:
-    from server.api.app import create_app, drain
-    from server.api.http_server import DrainingServer, uvicorn_config
+    from specserve.server.api.app import create_app, drain
+    from specserve.server.api.http_server import DrainingServer, uvicorn_config
 
     failed: list[BaseException] = []
     server: DrainingServer | None = None

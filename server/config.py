@@ -9,7 +9,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from speculators.base import METHODS, SpecParams
+from specserve.speculators import registry
+from specserve.speculators.base import SpecParams
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATION_POLICIES = ("goodput", "fixed")
@@ -18,6 +19,7 @@ SPECULATION_POLICIES = ("goodput", "fixed")
 @dataclass
 class EngineConfig:
     model: str | None = None               # HF-layout directory; None = the default (embedded) model
+    models_dir: str | None = None          # the embedded family's folder (server/models/embedded.py says the rule)
     served_model_name: str | None = None   # name in /v1/models; default: the model dir's basename
     dtype: str = "auto"                    # auto = bf16 on CUDA, fp32 on CPU (builder.pick_dtype says why)
     device: str = "auto"                   # auto = cuda if available else cpu
@@ -28,14 +30,16 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048     # token budget per step (prefill chunks + decode + drafts)
     max_speculative_tokens: int = 8        # upper bound on k a request may ask for
     speculation: SpecParams = field(default_factory=SpecParams)   # server default for requests without one
-    speculation_policy: str = "fixed"      # fixed = draft the k asked for; goodput = cut k where it lowers tokens/s (experimental)
+    speculation_policy: str = (
+        "fixed"  # fixed = draft the k asked for; goodput = cut k where it lowers tokens/s (experimental)
+    )
     draft_model: str | None = None
     eagle3: str | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
-    num_threads: int | None = None         # torch intra-op threads on CPU; None = torch default
-    compile: bool = False                  # torch.compile the layer stacks of target and draft model
-    engine_process: bool = False           # step the engine in its own process (server/engine/process_engine.py)
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
+    compile: bool = False  # torch.compile the layer stacks of target and draft model
+    engine_process: bool = False  # step the engine in its own process (server/engine/process_engine.py)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -55,19 +59,24 @@ class EngineConfig:
         if not 0 <= self.max_speculative_tokens <= 64:
             raise ValueError("max_speculative_tokens must be in [0, 64]")
         if self.speculation_policy not in SPECULATION_POLICIES:
-            raise ValueError(f"speculation_policy must be one of {SPECULATION_POLICIES}, "
-                             f"got {self.speculation_policy!r}")
-        if self.speculation.method not in METHODS:
-            raise ValueError(f"speculation method must be one of {METHODS}")
+            raise ValueError(
+                f"speculation_policy must be one of {SPECULATION_POLICIES}, got {self.speculation_policy!r}"
+            )
+        if self.speculation.method not in registry.METHODS:
+            raise ValueError(f"speculation method must be one of {registry.METHODS}")
         if not 0 <= self.speculation.num_speculative_tokens <= self.max_speculative_tokens:
             raise ValueError("default speculation k must be in [0, max_speculative_tokens]")
+        try:  # the method's own options check, before any model loads (builder checks it is loaded)
+            registry.validator(self.speculation.method)(self.speculation.options)
+        except ValueError as exc:
+            raise ValueError(f"speculation: {exc}") from None
 
 
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None             # also from env SPECSERVE_API_KEY
+    api_key: str | None = None  # also from env SPECSERVE_API_KEY
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -87,8 +96,8 @@ def parse_speculation(text: str | dict[str, Any] | None) -> SpecParams:
     if not isinstance(data, dict):
         raise ValueError("speculation must be a JSON object")
     method = data.pop("method", "none")
-    if method not in METHODS:
-        raise ValueError(f"unknown speculation method {method!r}; expected one of {list(METHODS)}")
+    if method not in registry.METHODS:
+        raise ValueError(f"unknown speculation method {method!r}; expected one of {list(registry.METHODS)}")
     k = data.pop("num_speculative_tokens", 0 if method == "none" else 4)
     if not isinstance(k, int) or isinstance(k, bool):
         raise ValueError("num_speculative_tokens must be an integer")

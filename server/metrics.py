@@ -30,7 +30,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from server.engine.stats import RequestTimings, SpecStepStats, StepStats
+from specserve.server.engine.stats import RequestTimings, SpecStepStats, StepStats
 
 PREFIX = "specserve:"
 METRICS_PATH = "/metrics"

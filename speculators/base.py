@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
-
-METHODS = ("none", "ngram", "prediction", "draft", "eagle3", "mtp", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ class VerifiedStep:
     tokens followed by the drafts it verified. Only the first `valid_lens[i]` rows hold states of tokens
     that stay in the context (the known tokens + accepted drafts); the rest were rejected.
     """
-    requests: list[Any]
+    requests: list[SpecRequest]
     num_computed_before: list[int]     # the request's num_computed_tokens when the step began
     token_offsets: list[int]
     query_lens: list[int]
@@ -93,28 +92,97 @@ class VerifiedStep:
     aux_hidden: list[torch.Tensor]   # per tapped layer [num_tokens, hidden] (empty unless requested)
 
 
-class Speculator(Protocol):
-    name: str
+class SpecRequest(Protocol):
+    """What a speculator may read of an engine request (read-only; server/engine/request.py owns it)."""
+    request_id: str
+    sampling_params: Any                    # specserve.sampling.params.SamplingParams (seed, temperature: draft RNG)
+    spec_params: SpecParams
+    prediction_token_ids: list[int] | None  # the request's Predicted Output, if any
+    output_token_ids: list[int]
+    block_ids: list[int]                    # the target's KV blocks (a state stash is keyed by their slots)
+
+    @property
+    def num_tokens(self) -> int: ...        # prompt + output tokens known so far
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    def token_slice(self, start: int, end: int) -> list[int]: ...
+
+
+class TargetModel(Protocol):
+    """What a model-based drafter may read of the target at load time (the engine's ModelRunner)."""
+    model: Any                              # the target LlamaForCausalLM (embed_tokens, lm_head)
+    cfg: Any                                # specserve.server.models.config.ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    block_size: int
+    num_blocks: int                         # target KV blocks; a drafter's cache mirrors the count
+    aux_layer_ids: tuple[int, ...]          # every tap the target records (the union over speculators)
+
+
+@dataclass
+class BuildContext:
+    """Everything a method needs to decide whether it is available and to load itself.
+
+    Built once by the engine builder; `target` is None while only sizing KV memory (before the target's
+    KV cache exists). `loaded` holds the speculators built so far, in registry order (the hybrid reads it).
+    """
+    target_cfg: Any                         # ModelConfig of the target
+    model_dir: Path | None                  # the target checkpoint (MTP layers live there); None: random
+    tokenizer_dir: Path
+    draft_dir: str | None                   # --draft-model, or the embedded family's draft
+    eagle3_dir: str | None                  # --eagle3, or the embedded family's head
+    block_size: int
+    kv_dtype: torch.dtype
+    model_dtype: torch.dtype
+    stash_states: bool                      # prefix caching on: heads keep a per-slot state stash
+    target: TargetModel | None = None
+    loaded: dict[str, Speculator] = field(default_factory=dict)
+
+
+class Speculator:
+    """The interface every method implements; the defaults are the explicit no-op hooks.
+
+    A new method subclasses this, sets `name`, implements `propose` (and `build` unless it needs nothing
+    loaded), and gets one entry in speculators/registry.py. docs/architecture.md walks through it.
+    """
+    name: str = ""
     # target layers whose entering residual streams the speculator needs from every forward (EAGLE-3)
     aux_layer_ids: tuple[int, ...] = ()
+    # True: record(step, slot_mapping) sees every target forward's rows (prefix-cache state stash)
+    records_states: bool = False
 
-    def validate(self, options: dict) -> None:
+    @classmethod
+    def build(cls, ctx: BuildContext) -> Speculator | None:
+        """The loaded speculator, or None when what it needs is not there (the method is then not offered)."""
+        return cls()
+
+    @classmethod
+    def kv_bytes_per_block(cls, ctx: BuildContext) -> int:
+        """Bytes of drafter memory (KV, state stash) per target KV block, if `build` would load it."""
+        return 0
+
+    @staticmethod
+    def validate(options: dict) -> None:
         """Raise ValueError for method options it does not understand (HTTP 400)."""
-        ...
+        if options:
+            raise ValueError(f"this speculation method takes no options, got {sorted(options)}")
 
-    def propose(self, requests: Sequence[Any], ks: Sequence[int]) -> DraftProposal:
-        """Up to ks[i] draft tokens for requests[i] (engine Request objects, read-only)."""
-        ...
+    def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
+        """Up to ks[i] draft tokens for requests[i] (read-only)."""
+        raise NotImplementedError
 
     def observe(self, step: VerifiedStep) -> None:
         """Called after every forward that included requests of this method (after update of the
         requests' counters and outputs), for methods that keep state (draft KV, hidden states)."""
-        ...
 
-    def release(self, request: Any) -> None:
+    def record(self, step: VerifiedStep, slot_mapping: torch.Tensor) -> None:
+        """Only when `records_states`: every row of every target forward, keyed by KV slot."""
+
+    def release(self, request: SpecRequest) -> None:
         """Forget per-request state (request finished, aborted or preempted)."""
-        ...
 
-    # Optional, model-based drafters: `refusals` (collections.Counter reason -> count of what they could
-    # not do, drained into spec_decode_refused_total every step); `records_states` + `record(step,
-    # slot_mapping)` (see every target forward's rows, for the prefix-cache state stash).
+    def drain_refusals(self) -> dict[str, int]:
+        """reason -> count of what it could not do since the last call (spec_decode_refused_total)."""
+        return {}

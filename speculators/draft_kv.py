@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.block_manager import BlockManager
-from server.engine.kv_cache import cache_dtype
-from server.models.attention import AttentionMetadata, build_attention_metadata
+from specserve.server.kv.block_manager import BlockManager
+from specserve.server.kv.kv_cache import cache_dtype
+from specserve.server.models.attention import AttentionMetadata, build_attention_metadata
 
 log = logging.getLogger(__name__)
 

@@ -30,13 +30,14 @@ from pathlib import Path
 
 import torch
 
-from server.models.config import ModelConfig, load_config
-from server.models.latency_tuning import tune_for_latency
-from server.models.llama import LlamaForCausalLM
-from speculators.base import DraftProposal
-from speculators.draft_kv import DraftKVCache, DraftSeq, mirror_target_blocks
-from speculators.draft_sampling import append_drafts, draft_generator
-from speculators.vocab import check_same_vocabulary
+from specserve.server.kv.kv_cache import kv_cache_bytes_per_block
+from specserve.server.models.config import ModelConfig, load_config
+from specserve.server.models.latency_tuning import tune_for_latency
+from specserve.server.models.llama import LlamaForCausalLM
+from specserve.speculators.base import BuildContext, DraftProposal, SpecRequest, Speculator
+from specserve.speculators.draft_kv import DraftKVCache, DraftSeq, mirror_target_blocks
+from specserve.speculators.draft_sampling import append_drafts, draft_generator
+from specserve.speculators.vocab import check_same_vocabulary
 
 
 @dataclass
@@ -58,9 +59,8 @@ class _Live:
     probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] per random draft
 
 
-class DraftModelSpeculator:
+class DraftModelSpeculator(Speculator):
     name = "draft"
-    aux_layer_ids: tuple[int, ...] = ()
 
     def __init__(self, model: LlamaForCausalLM, cache: DraftKVCache, target_vocab_size: int) -> None:
         self.model = model
@@ -71,11 +71,24 @@ class DraftModelSpeculator:
         self.refusals: collections.Counter[str] = collections.Counter()   # reason -> count, drained per step
 
     @classmethod
+    def build(cls, ctx: BuildContext) -> DraftModelSpeculator | None:
+        if ctx.draft_dir is None or ctx.target is None:
+            return None
+        t = ctx.target
+        return cls.load(ctx.draft_dir, t.cfg, ctx.tokenizer_dir, t.num_blocks, t.block_size, t.dtype, t.device)
+
+    @classmethod
+    def kv_bytes_per_block(cls, ctx: BuildContext) -> int:
+        if ctx.draft_dir is None:
+            return 0
+        return kv_cache_bytes_per_block(load_config(ctx.draft_dir), ctx.block_size, ctx.kv_dtype)
+
+    @classmethod
     def load(cls, draft_dir: str | Path, target_cfg: ModelConfig, target_tokenizer_dir: str | Path | None,
              target_num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
              ) -> DraftModelSpeculator:
         """Refuses (ValueError) a draft whose vocabulary differs from the target's, before loading weights."""
-        from server.models.loader import load_model
+        from specserve.server.models.loader import load_model
         draft_cfg = load_config(draft_dir)
         check_same_vocabulary(target_tokenizer_dir, target_cfg.vocab_size, draft_dir, draft_cfg.vocab_size)
         model, cfg = load_model(draft_dir, dtype=dtype, device=device)
@@ -91,7 +104,7 @@ class DraftModelSpeculator:
             raise ValueError(f"draft speculation takes no options, got {sorted(options)}")
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
+    def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
         live: list[_Live] = []
         first_tokens: list[list[int]] = []
         for i, (req, k) in enumerate(zip(requests, ks)):
@@ -116,13 +129,17 @@ class DraftModelSpeculator:
                 probs[item.index] = torch.stack(item.probs)            # [k_i, vocab]
         return DraftProposal(token_ids, probs)
 
-    def observe(self, step) -> None:
-        """Nothing to do: the draft model reads tokens, not target states; catch-up happens in propose."""
+    # observe: the default no-op; the draft model reads tokens, not target states (catch-up is in propose)
 
-    def release(self, request) -> None:
+    def release(self, request: SpecRequest) -> None:
         state = self._states.pop(request.request_id, None)
         if state is not None:
             self.cache.free(state.kv)
+
+    def drain_refusals(self) -> dict[str, int]:
+        out = dict(self.refusals)
+        self.refusals.clear()
+        return out
 
     # -- internals ----------------------------------------------------------------------------------
     def _state(self, req) -> _DraftState:

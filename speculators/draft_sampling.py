@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
-from sampling.params import SamplingParams
-from sampling.rng import inverse_cdf
-from sampling.truncation import apply_min_p, apply_top_k_top_p
+from specserve.sampling.params import SamplingParams
+from specserve.sampling.rng import inverse_cdf
+from specserve.sampling.truncation import apply_min_p, apply_top_k_top_p
 
 
 def draft_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -12,63 +12,51 @@ Usage: `specserve serve --model <target> --eagle3 <head dir>`, then a request's
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 
-from speculators.base import DraftProposal, VerifiedStep
-from speculators.draft_kv import DraftKVCache, mirror_target_blocks
-from speculators.eagle3_head import Eagle3Head
-from speculators.eagle3_loader import load_eagle3_head
-from speculators.hidden_drafter import HiddenStateDrafter
+from specserve.speculators.base import BuildContext, TargetModel
+from specserve.speculators.draft_kv import DraftKVCache, mirror_target_blocks
+from specserve.speculators.eagle3_head import Eagle3Head
+from specserve.speculators.eagle3_loader import load_eagle3_head
+from specserve.speculators.head_speculator import HeadSpeculator
 
 log = logging.getLogger(__name__)
 
 
-class Eagle3Speculator:
+class Eagle3Speculator(HeadSpeculator):
     name = "eagle3"
 
-    def __init__(self, head: Eagle3Head, cache: DraftKVCache, runner, stash_states: bool = False) -> None:
-        self.head = head
+    def __init__(self, head: Eagle3Head, cache: DraftKVCache, runner: TargetModel,
+                 stash_states: bool = False) -> None:
+        super().__init__(head, cache, stash_states)
         self.runner = runner           # its aux_layer_ids (the union of all taps) is set after we are built
         self.aux_layer_ids: tuple[int, ...] = tuple(sorted(set(head.spec.aux_layer_ids)))
-        self.drafter = HiddenStateDrafter(head, cache, stash_states)
-        self.refusals = self.drafter.refusals               # spec_decode_refused_total, drained per step
-        self.records_states = stash_states                  # record() must see every target forward
 
     @classmethod
-    def load(cls, head_dir: str | Path, runner, stash_states: bool = False) -> Eagle3Speculator:
-        """runner: the target ModelRunner (model, cfg, dtype, device, kv_caches, block_size).
+    def build(cls, ctx: BuildContext) -> Eagle3Speculator | None:
+        if ctx.eagle3_dir is None or ctx.target is None:
+            return None
+        return cls.load(ctx.eagle3_dir, ctx.target, stash_states=ctx.stash_states)
+
+    @classmethod
+    def kv_bytes_per_block(cls, ctx: BuildContext) -> int:
+        # an EAGLE-3 head's layer is as wide as the target here (its config may say otherwise: a few %)
+        return 0 if ctx.eagle3_dir is None else cls.head_kv_bytes(ctx, 1)
+
+    @classmethod
+    def load(cls, head_dir: str | Path, runner: TargetModel, stash_states: bool = False) -> Eagle3Speculator:
+        """runner: the target (model, cfg, dtype, device, num_blocks, block_size).
         stash_states: keep fc(taps) per target slot (the target caches prefixes: speculators/state_stash.py)."""
         head = load_eagle3_head(head_dir, runner.cfg, runner.model.embed_tokens, runner.dtype, runner.device)
         spec = head.spec
         cfg = spec.layer_cfg
-        num_blocks = runner.kv_caches[0][0].shape[0]
-        cache = mirror_target_blocks(num_blocks, runner.block_size, 1, cfg.num_key_value_heads, cfg.head_dim,
-                                     runner.dtype, runner.device, f"EAGLE-3 head {Path(head_dir).name}")
+        cache = mirror_target_blocks(runner.num_blocks, runner.block_size, 1, cfg.num_key_value_heads,
+                                     cfg.head_dim, runner.dtype, runner.device,
+                                     f"EAGLE-3 head {Path(head_dir).name}")
         log.info("EAGLE-3 head (%s layout): taps %s, draft vocab %d of %d, norm_before_residual %s",
                  spec.layout, spec.aux_layer_ids, spec.draft_vocab_size, spec.target_vocab_size,
                  spec.norm_before_residual)
         return cls(head, cache, runner, stash_states)
 
-    @property
-    def cache(self) -> DraftKVCache:
-        return self.drafter.cache
-
-    @staticmethod
-    def validate(options: dict) -> None:
-        if options:
-            raise ValueError(f"eagle3 speculation takes no options, got {sorted(options)}")
-
-    def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
-        return self.drafter.propose(requests, ks)
-
-    def record(self, step: VerifiedStep, slot_mapping) -> None:
+    def bind(self) -> None:
         self.head.bind_taps(tuple(self.runner.aux_layer_ids))
-        self.drafter.record(step, slot_mapping)
-
-    def observe(self, step: VerifiedStep) -> None:
-        self.head.bind_taps(tuple(self.runner.aux_layer_ids))
-        self.drafter.observe(step)
-
-    def release(self, request) -> None:
-        self.drafter.release(request)

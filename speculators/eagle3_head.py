@@ -1,7 +1,7 @@
 """The EAGLE-3 head as a module: fc fusion of three target taps, one decoder layer whose attention reads
 [embedding; hidden] (2H wide), a final norm and a (possibly reduced-vocabulary) lm_head.
 
-Maths (shared/FORMATS.md §1a/§1b), one row = (hidden x [H], token t, position p):
+Maths (docs/formats.md §1a/§1b), one row = (hidden x [H], token t, position p):
     normed   = hidden_norm(x)
     residual = normed if norm_before_residual else x          (original EAGLE: the un-normed x)
     a        = cat(input_layernorm(embed(t)), normed)          [2H]  embedding first, hidden second
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from server.models.attention import AttentionMetadata
-from server.models.config import ModelConfig
-from server.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from server.models.linear import Linear
-from server.models.llama import LlamaAttention
-from speculators.base import VerifiedStep
-from speculators.draft_kv import KVCache
+from specserve.server.models.attention import AttentionMetadata
+from specserve.server.models.config import ModelConfig
+from specserve.server.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from specserve.server.models.linear import Linear
+from specserve.server.models.llama import LlamaAttention
+from specserve.speculators.base import VerifiedStep
+from specserve.speculators.draft_kv import KVCache
 
 
 @dataclass(frozen=True)

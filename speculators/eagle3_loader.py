@@ -1,4 +1,4 @@
-"""Load an EAGLE-3 head from a local directory in either public layout (shared/FORMATS.md §1a, §1b).
+"""Load an EAGLE-3 head from a local directory in either public layout (docs/formats.md §1a, §1b).
 
   layout        detected by                       config                                  layer tensors
   eagle         no `speculators_model_type`       flat Llama-style dict; taps in           midlayer.*
@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from server.models.config import ModelConfig
-from server.models.linear import pack_linears
-from server.models.loader import load_layer_weights, load_tensors
-from speculators.eagle3_head import Eagle3Head, Eagle3Spec
+from specserve.server.models.config import ModelConfig
+from specserve.server.models.linear import pack_linears
+from specserve.server.models.loader import load_layer_weights, load_tensors
+from specserve.speculators.eagle3_head import Eagle3Head, Eagle3Spec
 
 _ARCH_BY_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM"}

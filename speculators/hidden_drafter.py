@@ -7,7 +7,7 @@ h_b the target's state at position b ("base" b), g^m_b layer m's output for base
   layer 0, base b:  input (h_b, t_{b+1}), RoPE position b            -> g^0_b predicts t_{b+2}
   layer m, base b:  input (g^{m-1}_b, t_{b+m+1}), RoPE position b    -> g^m_b predicts t_{b+m+2}
 
-(DeepSeek-V3's depth-m module at position b; for m = 0 this is the FORMATS.md alignment "row i pairs
+(DeepSeek-V3's depth-m module at position b; for m = 0 this is the docs/formats.md alignment "row i pairs
 the hidden at position i with token i+1, positions not shifted".)
 
 observe() (after every target forward, prefill chunks included) catches every layer up on the rows
@@ -45,11 +45,11 @@ from typing import Protocol
 
 import torch
 
-from server.models.attention import AttentionMetadata
-from speculators.base import DraftProposal, VerifiedStep
-from speculators.draft_kv import DraftKVCache, DraftSeq, KVCache
-from speculators.draft_sampling import append_drafts, draft_generator
-from speculators.state_stash import TargetStateStash
+from specserve.server.models.attention import AttentionMetadata
+from specserve.speculators.base import DraftProposal, VerifiedStep
+from specserve.speculators.draft_kv import DraftKVCache, DraftSeq, KVCache
+from specserve.speculators.draft_sampling import append_drafts, draft_generator
+from specserve.speculators.state_stash import TargetStateStash
 
 
 class DraftHead(Protocol):

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from speculators.base import DraftProposal, VerifiedStep
-from speculators.ngram import NgramSpeculator
+from specserve.speculators import registry
+from specserve.speculators.base import BuildContext, DraftProposal, SpecRequest, Speculator, VerifiedStep
+from specserve.speculators.ngram import NgramSpeculator
 
 HYBRID_MIN = 2
-FALLBACK_ORDER = ("eagle3", "mtp", "draft")   # the first one loaded drafts where the lookup finds nothing
 
 
-class HybridSpeculator:
+class HybridSpeculator(Speculator):
     name = "hybrid"
 
     def __init__(self, fallback, fallback_name: str) -> None:
@@ -40,16 +40,20 @@ class HybridSpeculator:
         self.drafted_by = {"ngram": 0, fallback_name: 0}          # requests-steps each source drafted
 
     @classmethod
+    def build(cls, ctx: BuildContext) -> HybridSpeculator | None:
+        return cls.over(ctx.loaded)
+
+    @classmethod
     def over(cls, speculators: dict) -> HybridSpeculator | None:
-        """The hybrid over the first loaded model-based drafter, or None when none is loaded."""
-        name = next((m for m in FALLBACK_ORDER if m in speculators), None)
+        """The hybrid over the first loaded model-based drafter (registry order), or None when none is."""
+        name = next((m for m in registry.MODEL_DRAFTERS if m in speculators), None)
         return None if name is None else cls(speculators[name], name)
 
     @staticmethod
     def validate(options: dict) -> None:
         NgramSpeculator.validate(options)
 
-    def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
+    def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
         found = self.lookup.propose(requests, ks)
         token_ids, probs = list(found.token_ids), list(found.draft_probs)
         rest = [i for i, d in enumerate(token_ids) if not d]
@@ -62,11 +66,9 @@ class HybridSpeculator:
         return DraftProposal(token_ids, probs)
 
     def observe(self, step: VerifiedStep) -> None:
-        observe = getattr(self.fallback, "observe", None)
-        if observe is not None:
-            observe(step)
+        self.fallback.observe(step)
 
-    def release(self, request) -> None:
+    def release(self, request: SpecRequest) -> None:
         self.lookup.release(request)
         self.fallback.release(request)
 

@@ -1,6 +1,6 @@
 """MTP (multi-token prediction) layers as a DraftHead: a target checkpoint's own next-n layers.
 
-One MTP layer, one row = (hidden x [H], token t, position p), shared/FORMATS.md §2/§3:
+One MTP layer, one row = (hidden x [H], token t, position p), docs/formats.md §2/§3:
     e   = embed(t), zeroed at position 0                        (vLLM's DeepSeek and MiMo MTP do this)
     DeepSeek-V3:  x' = eh_proj(cat(enorm(e), hnorm(x)))         embedding first, hidden second
     MiMo:         x' = input_proj(cat(hidden_layernorm(x), token_layernorm(e)))   hidden first
@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from server.models.attention import AttentionMetadata
-from server.models.config import ModelConfig
-from server.models.layers import RMSNorm, RotaryEmbedding
-from server.models.linear import Linear
-from server.models.llama import LlamaDecoderLayer
-from speculators.base import VerifiedStep
-from speculators.draft_kv import KVCache
+from specserve.server.models.attention import AttentionMetadata
+from specserve.server.models.config import ModelConfig
+from specserve.server.models.layers import RMSNorm, RotaryEmbedding
+from specserve.server.models.linear import Linear
+from specserve.server.models.llama import LlamaDecoderLayer
+from specserve.speculators.base import VerifiedStep
+from specserve.speculators.draft_kv import KVCache
 
 
 @dataclass(frozen=True)

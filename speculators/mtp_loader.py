@@ -1,4 +1,4 @@
-"""Load a target checkpoint's MTP layers (shared/FORMATS.md §2 DeepSeek-V3, §3 MiMo).
+"""Load a target checkpoint's MTP layers (docs/formats.md §2 DeepSeek-V3, §3 MiMo).
 
 Available when config.json has `num_nextn_predict_layers` > 0 (DeepSeek-V3 and MiMo both use that key).
 The layout is detected from the tensor names:
@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from server.models.config import ModelConfig
-from server.models.linear import Linear, pack_linears
-from server.models.loader import load_layer_weights, load_tensors
-from speculators.mtp_head import DEEPSEEK_V3, MIMO, MtpHead, MtpLayout
+from specserve.server.models.config import ModelConfig
+from specserve.server.models.linear import Linear, pack_linears
+from specserve.server.models.loader import load_layer_weights, load_tensors
+from specserve.speculators.mtp_head import DEEPSEEK_V3, MIMO, MtpHead, MtpLayout
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # per layout: checkpoint suffix -> MtpLayer parameter (everything else belongs to the decoder block)

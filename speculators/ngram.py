@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from speculators.base import DraftProposal
-from speculators.ngram_match import TokenBuffer, longest_match
+from specserve.speculators.base import DraftProposal, SpecRequest, Speculator
+from specserve.speculators.ngram_match import TokenBuffer, longest_match
 
 DEFAULT_MIN = 1
 DEFAULT_MAX = 4
@@ -26,7 +26,7 @@ def lookup_bounds(options: dict, default_min: int = DEFAULT_MIN) -> tuple[int, i
     return lo, hi
 
 
-class NgramSpeculator:
+class NgramSpeculator(Speculator):
     name = "ngram"
 
     def __init__(self, default_min: int = DEFAULT_MIN) -> None:
@@ -41,7 +41,7 @@ class NgramSpeculator:
                              "expected prompt_lookup_min, prompt_lookup_max")
         lookup_bounds(options)
 
-    def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
+    def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
         drafts: list[list[int]] = []
         for req, k in zip(requests, ks):
             ctx = self._context(req)                         # [L]
@@ -59,5 +59,5 @@ class NgramSpeculator:
             buf.extend(req.token_slice(buf.size, req.num_tokens))
         return buf.view()
 
-    def release(self, request) -> None:
+    def release(self, request: SpecRequest) -> None:
         self._buffers.pop(request.request_id, None)

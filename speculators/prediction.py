@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from speculators.base import DraftProposal
-from speculators.ngram_match import longest_match
+from specserve.speculators.base import DraftProposal, SpecRequest, Speculator
+from specserve.speculators.ngram_match import longest_match
 
 REALIGN_MIN = 2         # tokens of output suffix needed to trust a re-alignment
 REALIGN_MAX = 8
@@ -28,7 +28,7 @@ class _State:
     seen: int = 0           # output tokens already accounted for
 
 
-class PredictionSpeculator:
+class PredictionSpeculator(Speculator):
     name = "prediction"
 
     def __init__(self) -> None:
@@ -40,7 +40,7 @@ class PredictionSpeculator:
             raise ValueError(f"prediction speculation takes no options, got {sorted(options)}; "
                              "send the predicted text in the request's `prediction` field")
 
-    def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
+    def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
         drafts = []
         for req, k in zip(requests, ks):
             st = self._state(req)
@@ -69,5 +69,5 @@ class PredictionSpeculator:
             st.ptr = longest_match(st.pred, tail, REALIGN_MIN, REALIGN_MAX)
         st.seen = len(output)
 
-    def release(self, request) -> None:
+    def release(self, request: SpecRequest) -> None:
         self._states.pop(request.request_id, None)

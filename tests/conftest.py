@@ -1,7 +1,7 @@
 """Shared fixtures: a tiny random Llama checkpoint and real specserve servers started as subprocesses.
 
 Everything heavy is session-scoped and built lazily, so unit tests that use none of it pay nothing.
-Integration tests talk to `python -m server serve ...` over HTTP with the official openai client.
+Integration tests talk to `python -m specserve.server serve ...` over HTTP with the official openai client.
 """
 from __future__ import annotations
 
@@ -61,19 +61,41 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m server serve` on a free port, started at once and waited for only when needed."""
+    """`python -m specserve.server serve` on a free port, started at once and waited for only when needed."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *extra: str) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, *extra: str, python: Path | None = None,
+                 cwd: Path = REPO) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "server", "serve", "--model", str(model_dir), "--port", str(self.port),
-               "--served-model-name", SERVED_NAME, "--dtype", "float32", "--device", "cpu",
-               "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-gb", "0.05",
-               "--num-threads", "1", "--log-level", "warning", *extra]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "SPECSERVE_API_KEY": ""}
+        cmd = [
+            str(python or sys.executable),
+            "-m",
+            "specserve.server",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            SERVED_NAME,
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--kv-cache-memory-gb",
+            "0.05",
+            "--num-threads",
+            "1",
+            "--log-level",
+            "warning",
+            *extra,
+        ]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"SPECSERVE_API_KEY": ""}
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
         self._ready = False
 
     def wait_ready(self) -> str:
@@ -103,17 +125,24 @@ class ServerProcess:
 
 # The second server exercises non-default flags (tests/test_api_auth.py).
 LOCKED_API_KEY = "sk-test-secret"
-LOCKED_FLAGS = ("--api-key", LOCKED_API_KEY, "--max-n", "2",
-                "--speculation", '{"method": "ngram", "num_speculative_tokens": 3}')
+LOCKED_FLAGS = (
+    "--api-key",
+    LOCKED_API_KEY,
+    "--max-n",
+    "2",
+    "--speculation",
+    '{"method": "ngram", "num_speculative_tokens": 3}',
+)
 
 
 @pytest.fixture(scope="session")
-def servers(tiny_model_dir: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
     """Both test servers, launched together (startup is mostly imports: in parallel it costs one)."""
     logs = tmp_path_factory.mktemp("servers")
-    procs = {"default": ServerProcess(tiny_model_dir, logs / "default.log"),
-             "locked": ServerProcess(tiny_model_dir, logs / "locked.log", *LOCKED_FLAGS)}
+    procs = {
+        "default": ServerProcess(tiny_model_dir, logs / "default.log"),
+        "locked": ServerProcess(tiny_model_dir, logs / "locked.log", *LOCKED_FLAGS),
+    }
     try:
         yield procs
     finally:
@@ -136,12 +165,14 @@ def locked_url(servers: dict[str, ServerProcess]) -> str:
 @pytest.fixture(scope="session")
 def client(server_url: str):
     import openai
+
     return openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="session")
 def async_client(server_url: str):
     import openai
+
     return openai.AsyncOpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 

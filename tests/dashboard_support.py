@@ -52,7 +52,7 @@ def substitute(expr: str, values: dict[str, str], window: str = WINDOW) -> str:
 
 def exported_metric_names() -> set[str]:
     """Every sample name server/metrics.py can emit (families expanded to _total/_bucket/...)."""
-    from server.metrics import Metrics
+    from specserve.server.metrics import Metrics
     m = Metrics()
     m.set_model_name("m", {"none": 0, "ngram": 2})
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}

@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 from conftest import MAX_MODEL_LEN, SERVED_NAME, free_port
 
+from specserve.server.engine.messages import Abort
+
 OK_BODY = {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 2}
 
 
@@ -48,14 +50,14 @@ def assert_still_serving(url: str) -> None:
 
 
 def engine_config(model_dir: Path, **overrides: Any):
-    from server.config import EngineConfig
+    from specserve.server.config import EngineConfig
     return EngineConfig(**{"model": str(model_dir), "served_model_name": SERVED_NAME, "dtype": "float32",
                            "device": "cpu", "max_model_len": MAX_MODEL_LEN, "kv_cache_memory_gb": 0.02,
                            **overrides})
 
 
 def build_engine(model_dir: Path, **overrides: Any):
-    from server.engine.async_engine import AsyncEngine
+    from specserve.server.engine.async_engine import AsyncEngine
     return AsyncEngine.from_config(engine_config(model_dir, **overrides))
 
 
@@ -64,9 +66,9 @@ class InProcessServer:
 
     def __init__(self, engine: Any, model_dir: Path, limits: Any = None, lifecycle: Any = None,
                  server_config: Any = None) -> None:
-        from server.api.app import create_app, drain
-        from server.api.http_server import DrainingServer, uvicorn_config
-        from server.api.limits import Limits
+        from specserve.server.api.app import create_app, drain
+        from specserve.server.api.http_server import DrainingServer, uvicorn_config
+        from specserve.server.api.limits import Limits
 
         limits = limits or Limits()
         self.engine = engine
@@ -203,9 +205,9 @@ class StepProbe:
             self.steps += 1
             return inner()
 
-        def recording_send(cmd: tuple) -> None:
-            if cmd[0] == "abort":
-                self.abort_sent.setdefault(cmd[1], self.steps)
+        def recording_send(cmd: Any) -> None:
+            if isinstance(cmd, Abort):
+                self.abort_sent.setdefault(cmd.request_id, self.steps)
             send(cmd)
 
         def recording_abort(request_id: str) -> Any:

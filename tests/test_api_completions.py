@@ -197,23 +197,32 @@ def test_eight_concurrent_requests_mixing_methods_and_k_equal_plain_greedy(clien
     import asyncio
     kwargs = {"model": SERVED_NAME, "max_tokens": 24, "temperature": 0, "extra_body": dict(LONG)}
     plain = [client.completions.create(prompt=p, **kwargs).choices[0].text for p in MIXED_PROMPTS]
-    specs = [{"method": "none"}, {"method": "ngram", "num_speculative_tokens": 1},
-             {"method": "ngram", "num_speculative_tokens": 3}, {"method": "ngram", "num_speculative_tokens": 8},
-             {"method": "prediction", "num_speculative_tokens": 4}, {"method": "prediction", "num_speculative_tokens": 2},
-             {"method": "ngram", "num_speculative_tokens": 5}, {"method": "prediction", "num_speculative_tokens": 8}]
+    specs = [
+        {"method": "none"},
+        {"method": "ngram", "num_speculative_tokens": 1},
+        {"method": "ngram", "num_speculative_tokens": 3},
+        {"method": "ngram", "num_speculative_tokens": 8},
+        {"method": "prediction", "num_speculative_tokens": 4},
+        {"method": "prediction", "num_speculative_tokens": 2},
+        {"method": "ngram", "num_speculative_tokens": 5},
+        {"method": "prediction", "num_speculative_tokens": 8},
+    ]
     predictions = {4: plain[4], 5: "something else entirely", 7: plain[7][:10] + "zzz" + plain[7][10:]}
 
     async def one(async_client, i: int):
         body = {**LONG, "speculation": specs[i]}
         if i in predictions:
             body["prediction"] = {"type": "content", "content": predictions[i]}
-        return await async_client.completions.create(model=SERVED_NAME, prompt=MIXED_PROMPTS[i], max_tokens=24,
-                                                     temperature=0, extra_body=body)
+        return await async_client.completions.create(
+            model=SERVED_NAME, prompt=MIXED_PROMPTS[i], max_tokens=24, temperature=0, extra_body=body
+        )
 
     async def all_at_once():
         import openai
-        async with openai.AsyncOpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0,
-                                      timeout=60) as async_client:   # its own event loop: its own client
+
+        async with openai.AsyncOpenAI(
+            base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=60
+        ) as async_client:  # its own event loop: its own client
             return await asyncio.gather(*(one(async_client, i) for i in range(len(MIXED_PROMPTS))))
 
     results = asyncio.run(all_at_once())
@@ -221,4 +230,4 @@ def test_eight_concurrent_requests_mixing_methods_and_k_equal_plain_greedy(clien
     for r, spec in zip(results, specs):
         assert r.model_extra["speculation"]["method"] == spec["method"]
     exact = results[4]
-    assert exact.usage.completion_tokens_details.accepted_prediction_tokens > 0   # the exact prediction is used
+    assert exact.usage.completion_tokens_details.accepted_prediction_tokens > 0  # the exact prediction is used

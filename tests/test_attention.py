@@ -6,17 +6,17 @@ import math
 import pytest
 import torch
 
-from server.engine.kv_cache import (
+from specserve.server.kv.kv_cache import (
     allocate_kv_cache,
     kv_cache_bytes_per_block,
     num_blocks_for_budget,
 )
-from server.models.attention import (
+from specserve.server.models.attention import (
     SHORT_QUERY_MAX,
     build_attention_metadata,
     paged_attention,
 )
-from server.models.config import ModelConfig
+from specserve.server.models.config import ModelConfig
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128
@@ -24,9 +24,18 @@ HEAD_DIM = 8
 
 
 def tiny_config(num_kv_heads: int = 2, layers: int = 3) -> ModelConfig:
-    return ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": num_kv_heads, "head_dim": HEAD_DIM})
+    return ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 100,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": num_kv_heads,
+            "head_dim": HEAD_DIM,
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------------- metadata
@@ -54,7 +63,7 @@ def test_metadata_groups_short_and_long_queries():
     assert [(s.token_start, s.token_end, s.prefix_len) for s in attn.long] == [(1, 18, 13)]
     [short] = attn.short_groups
     assert (short.num_seqs, short.max_q, short.num_blocks) == (2, 4, 3)
-    assert short.token_index.tolist() == [[0, 0, 0, 0], [18, 19, 20, 21]]   # padded rows repeat the last query
+    assert short.token_index.tolist() == [[0, 0, 0, 0], [18, 19, 20, 21]]  # padded rows repeat the last query
     assert short.valid_dst.tolist() == [0, 18, 19, 20, 21]
     uniform = build_attention_metadata([2, 2], [5, 2], [[3, 4], [5]], 4, "cpu")
     assert uniform.short_groups[0].token_index is None and not uniform.long
@@ -76,12 +85,15 @@ def test_metadata_flash_plan_gathers_context_slots():
     assert not attn.short_groups and not attn.long
 
 
-@pytest.mark.parametrize("args, match", [
-    (([], [], []), "at least one"),
-    (([2], [1], [[0]]), "query_len"),
-    (([1], [9], [[0, 1]]), "cannot hold"),
-    (([1, 1], [1], [[0]]), "one entry per sequence"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (([], [], []), "at least one"),
+        (([2], [1], [[0]]), "query_len"),
+        (([1], [9], [[0, 1]]), "cannot hold"),
+        (([1, 1], [1], [[0]]), "one entry per sequence"),
+    ],
+)
 def test_metadata_rejects_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         build_attention_metadata(*args, block_size=4, device="cpu")
@@ -97,14 +109,20 @@ def naive_attention(q, keys, values, prefix_len, window):
         pos = prefix_len + i
         lo = 0 if window is None else max(0, pos - window + 1)
         for h in range(q.shape[1]):
-            k, v = keys[lo:pos + 1, h // rep], values[lo:pos + 1, h // rep]
+            k, v = keys[lo : pos + 1, h // rep], values[lo : pos + 1, h // rep]
             weights = torch.softmax(k @ q[i, h] / math.sqrt(q.shape[2]), dim=0)
             out[i, h] = weights @ v
     return out
 
 
-def run_paged_case(plan: list[tuple[int, int]], num_kv_heads: int, window: int | None, seed: int = 0,
-                   backend: str = "sdpa", dtype: torch.dtype = torch.float32):
+def run_paged_case(
+    plan: list[tuple[int, int]],
+    num_kv_heads: int,
+    window: int | None,
+    seed: int = 0,
+    backend: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
+):
     """plan: (prefix_len, q_len) per sequence. Writes the prefixes, runs one paged step, checks each row."""
     gen = torch.Generator().manual_seed(seed)
     cfg = tiny_config(num_kv_heads, layers=1)
@@ -114,31 +132,46 @@ def run_paged_case(plan: list[tuple[int, int]], num_kv_heads: int, window: int |
     for prefix, q_len in plan:
         total = prefix + q_len
         tables.append([free.pop() for _ in range(-(-total // BLOCK_SIZE))])
-        dense.append((torch.randn(total, num_kv_heads, HEAD_DIM, generator=gen).to(dtype),
-                      torch.randn(total, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)))
+        dense.append(
+            (
+                torch.randn(total, num_kv_heads, HEAD_DIM, generator=gen).to(dtype),
+                torch.randn(total, num_kv_heads, HEAD_DIM, generator=gen).to(dtype),
+            )
+        )
         for pos in range(prefix):  # the earlier steps' K/V, written slot by slot
             slot = tables[-1][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
             k_cache.view(-1, num_kv_heads, HEAD_DIM)[slot] = dense[-1][0][pos]
             v_cache.view(-1, num_kv_heads, HEAD_DIM)[slot] = dense[-1][1][pos]
-    attn = build_attention_metadata([q for _, q in plan], [p + q for p, q in plan], tables, BLOCK_SIZE, "cpu",
-                                    backend=backend)
+    attn = build_attention_metadata(
+        [q for _, q in plan], [p + q for p, q in plan], tables, BLOCK_SIZE, "cpu", backend=backend
+    )
     q = torch.randn(sum(q for _, q in plan), 4, HEAD_DIM, generator=gen).to(dtype)
     k = torch.cat([kd[p:] for (p, _), (kd, _) in zip(plan, dense)])
     v = torch.cat([vd[p:] for (p, _), (_, vd) in zip(plan, dense)])
     before = k_cache.clone()
-    out = paged_attention(q, k, v, (k_cache, v_cache), attn, HEAD_DIM ** -0.5, window)
+    out = paged_attention(q, k, v, (k_cache, v_cache), attn, HEAD_DIM**-0.5, window)
     start = 0
     for (prefix, q_len), (kd, vd) in zip(plan, dense):
-        expected = naive_attention(q[start:start + q_len], kd, vd, prefix, window)
-        err = (out[start:start + q_len].double() - expected).abs().max().item()
-        assert err < (1e-5 if dtype == torch.float32 else 3e-2), f"plan entry {(prefix, q_len)} window {window}: max err {err:.2e}"
+        expected = naive_attention(q[start : start + q_len], kd, vd, prefix, window)
+        err = (out[start : start + q_len].double() - expected).abs().max().item()
+        assert err < (1e-5 if dtype == torch.float32 else 3e-2), (
+            f"plan entry {(prefix, q_len)} window {window}: max err {err:.2e}"
+        )
         start += q_len
     changed = (k_cache != before).any(-1).any(-1).view(-1).nonzero().squeeze(1)
-    assert set(changed.tolist()) <= set(attn.slot_mapping.tolist())     # nothing else was written
+    assert set(changed.tolist()) <= set(attn.slot_mapping.tolist())  # nothing else was written
 
 
-MIXED = [(0, 5), (7, 1), (3, 3), (10, SHORT_QUERY_MAX + 4), (0, SHORT_QUERY_MAX + 2), (12, SHORT_QUERY_MAX),
-         (60, 2), (1, 1)]     # the last two split the short queries into two buckets
+MIXED = [
+    (0, 5),
+    (7, 1),
+    (3, 3),
+    (10, SHORT_QUERY_MAX + 4),
+    (0, SHORT_QUERY_MAX + 2),
+    (12, SHORT_QUERY_MAX),
+    (60, 2),
+    (1, 1),
+]  # the last two split the short queries into two buckets
 
 
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
@@ -147,12 +180,15 @@ def test_paged_sdpa_mixed_batch_matches_naive(num_kv_heads, window):
     run_paged_case(MIXED, num_kv_heads, window)
 
 
-@pytest.mark.parametrize("plan", [
-    [(9, 1), (0, 1), (22, 1)],          # plain decode, including a 1-token prompt
-    [(5, 4), (13, 4), (2, 4)],          # uniform verify (k = 3)
-    [(0, 30)],                          # one long prefill, no prefix
-    [(17, 1)] * 16,                     # a full decode batch sharing one mask shape
-])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        [(9, 1), (0, 1), (22, 1)],  # plain decode, including a 1-token prompt
+        [(5, 4), (13, 4), (2, 4)],  # uniform verify (k = 3)
+        [(0, 30)],  # one long prefill, no prefix
+        [(17, 1)] * 16,  # a full decode batch sharing one mask shape
+    ],
+)
 def test_paged_sdpa_uniform_and_single_paths(plan):
     run_paged_case(plan, num_kv_heads=2, window=None)
     run_paged_case(plan, num_kv_heads=2, window=5)
@@ -169,14 +205,25 @@ def test_decode_row_is_bit_identical_to_the_same_row_in_a_verify():
     q = torch.randn(5, 4, HEAD_DIM, generator=gen)
     k, v = torch.randn(5, 2, HEAD_DIM, generator=gen), torch.randn(5, 2, HEAD_DIM, generator=gen)
     outs = []
-    for q_len in (1, 5):     # same two blocks, so the same padded key length L = 32
+    for q_len in (1, 5):  # same two blocks, so the same padded key length L = 32
         attn = build_attention_metadata([q_len], [22 + q_len], [[6, 3]], 16, "cpu")
-        outs.append(paged_attention(q[:q_len], k[:q_len], v[:q_len], (k_cache, v_cache), attn, HEAD_DIM ** -0.5))
+        outs.append(paged_attention(q[:q_len], k[:q_len], v[:q_len], (k_cache, v_cache), attn, HEAD_DIM**-0.5))
     assert torch.equal(outs[0][0], outs[1][0])
 
 
-def fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                causal, window_size, block_table=None):
+def fake_flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_size,
+    block_table=None,
+):
     """flash-attn 2's documented semantics in plain torch: bottom-right causal alignment, window
     (left, right) in keys, k/v either varlen-packed or paged [num_blocks, page, kv, d] via block_table."""
     assert causal and q.dtype == k.dtype
@@ -186,14 +233,18 @@ def fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         seq_len = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
         assert q1 - q0 <= max_seqlen_q and seq_len <= max_seqlen_k
         if block_table is None:
-            keys, values = k[int(cu_seqlens_k[b]):int(cu_seqlens_k[b + 1])], v[int(cu_seqlens_k[b]):int(cu_seqlens_k[b + 1])]
+            keys, values = (
+                k[int(cu_seqlens_k[b]) : int(cu_seqlens_k[b + 1])],
+                v[int(cu_seqlens_k[b]) : int(cu_seqlens_k[b + 1])],
+            )
         else:
-            pages = block_table[b, :-(-seq_len // k.shape[1])].long()
+            pages = block_table[b, : -(-seq_len // k.shape[1])].long()
             keys = k[pages].flatten(0, 1)[:seq_len]
             values = v[pages].flatten(0, 1)[:seq_len]
         window = None if window_size[0] < 0 else window_size[0] + 1
-        out[q0:q1] = naive_attention(q[q0:q1] * softmax_scale * HEAD_DIM ** 0.5, keys, values,
-                                     seq_len - (q1 - q0), window).to(q.dtype)
+        out[q0:q1] = naive_attention(
+            q[q0:q1] * softmax_scale * HEAD_DIM**0.5, keys, values, seq_len - (q1 - q0), window
+        ).to(q.dtype)
     return out
 
 
@@ -201,7 +252,8 @@ def fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 @pytest.mark.parametrize("window", [None, 3])
 def test_flash_plumbing_matches_naive_with_reference_kernel(monkeypatch, pageable, window):
     """The flash branch cannot run here; drive it with a reference kernel to check slots, cu_seqlens and windows."""
-    from server.models import attention, attention_metadata
+    from specserve.server.models import attention, attention_metadata
+
     monkeypatch.setattr(attention, "flash_attn_varlen_func", fake_flash_attn_varlen_func)
     if pageable:  # pretend our 4-token blocks are pageable so the block_table branch runs
         monkeypatch.setattr(attention_metadata, "FLASH_PAGED_BLOCK_MULTIPLE", BLOCK_SIZE)
@@ -212,9 +264,17 @@ def test_flash_plumbing_matches_naive_with_reference_kernel(monkeypatch, pageabl
 
 # ------------------------------------------------------------------------------------------ KV cache
 def test_kv_cache_sizing_and_allocation():
-    cfg = ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1408,
-        "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2})
+    cfg = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 8192,
+            "hidden_size": 512,
+            "intermediate_size": 1408,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+        }
+    )
     assert kv_cache_bytes_per_block(cfg, 16, torch.float32) == 2 * 8 * 16 * 2 * 64 * 4
     assert kv_cache_bytes_per_block(cfg, 16, torch.bfloat16) == 2 * 8 * 16 * 2 * 64 * 2
     assert num_blocks_for_budget(cfg, 16, torch.float32, 10 * 131072 + 5) == 10

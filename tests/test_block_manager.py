@@ -1,7 +1,7 @@
 """Block manager: allocation, freeing, prefix cache. No torch."""
-from sampling.params import SamplingParams
-from server.engine.block_manager import BlockManager
-from server.engine.request import Request
+from specserve.sampling.params import SamplingParams
+from specserve.server.engine.request import Request
+from specserve.server.kv.block_manager import BlockManager
 
 
 def req(rid: str, prompt: list[int]) -> Request:

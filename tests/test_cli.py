@@ -4,12 +4,13 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from server.api.limits import Limits
-from server.cli import build_parser, configs_from_args, flag_for, main
-from server.config import EngineConfig, ServerConfig
+from specserve.server.api.limits import Limits
+from specserve.server.cli import build_parser, configs_from_args, flag_for, main
+from specserve.server.config import EngineConfig, ServerConfig
 
 CONFIGS = (EngineConfig, ServerConfig, Limits)
 FIELDS = [(cls, f.name) for cls in CONFIGS for f in dataclasses.fields(cls)]
@@ -33,7 +34,7 @@ def test_every_config_field_has_a_documented_flag():
 
 
 def test_help_via_python_m_server():
-    out = subprocess.run([sys.executable, "-m", "server", "serve", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "specserve.server", "serve", "--help"], capture_output=True,
                          text=True, timeout=60, check=False,
                          env={"SPECSERVE_API_KEY": "do-not-print-me", "PATH": ""})
     assert out.returncode == 0, out.stderr
@@ -70,7 +71,9 @@ def test_defaults_match_the_dataclasses(monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--speculation", "{not json"], ["--speculation", '{"method": "warp"}'],
-                                  ["--block-size", "3"], ["--max-n", "0"], ["--port", "70000"]])
+                                  ["--block-size", "3"], ["--max-n", "0"], ["--port", "70000"],
+                                  ["--speculation", '{"method": "ngram", "prompt_lookup_min": 0}'],
+                                  ["--speculation", '{"method": "eagle3", "depth": 2}']])
 def test_bad_flags_exit_2_with_a_message(argv, capsys):
     assert main(["serve", *argv]) == 2
     assert "error" in capsys.readouterr().err
@@ -81,6 +84,7 @@ def test_the_server_leaves_the_openmp_wait_policy_to_libgomp():
     released (server/engine/omp_pool.py). Importing the CLI must not load torch either."""
     import os
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    code = "import os, sys, server.cli; print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    code = "import os, sys, specserve.server.cli; print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent)
     assert out.stdout.split() == ["False", "None"]

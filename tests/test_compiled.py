@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sampling.params import SamplingParams
-from server.config import EngineConfig
-from server.engine.offline import OfflineEngine
-from server.models.attention import build_attention_metadata
-from server.models.latency_tuning import is_latency_tuned
-from server.models.loader import load_model
-from speculators.base import SpecParams
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig
+from specserve.server.engine.offline import OfflineEngine
+from specserve.server.models.attention import build_attention_metadata
+from specserve.server.models.latency_tuning import is_latency_tuned
+from specserve.server.models.loader import load_model
+from specserve.speculators.base import SpecParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -97,10 +97,10 @@ def test_compiled_rows_do_not_depend_on_batch(dtype):
     Inductor specialises 1-row inputs into a second graph by default; with the embedded target's layer
     shapes that graph rounded differently in bf16 (0.03 on a hidden value; greedy n-gram output changed),
     so the stack is traced with an unbacked token count: one graph for every size."""
-    from server.engine.kv_cache import cache_dtype
-    from server.models.config import ModelConfig
-    from server.models.linear import Linear, pack_linears
-    from server.models.loader import build_random_model
+    from specserve.server.kv.kv_cache import cache_dtype
+    from specserve.server.models.config import ModelConfig
+    from specserve.server.models.linear import Linear, pack_linears
+    from specserve.server.models.loader import build_random_model
     if dtype == torch.bfloat16 and pack_linears(Linear(64, 64).to(torch.bfloat16)) == 0:
         pytest.skip("this CPU's oneDNN has no packed bf16 kernel: bf16 rows may depend on the batch here")
     cfg = ModelConfig.from_dict(dict(   # the embedded target's layer shapes, 2 layers, small vocabulary

@@ -1,16 +1,16 @@
 """IncrementalDetokenizer: streamed pieces never split a character, and the final text is decode(all ids)."""
 import pytest
 
-from server.engine.builder import EMBEDDED_TOKENIZER
-from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.tokenizer import Tokenizer
+from specserve.server.engine.detokenizer import IncrementalDetokenizer
+from specserve.server.engine.tokenizer import Tokenizer
+from specserve.server.models.embedded import require as embedded_family
 
 TEXT = "naïve café — 東京 🚀 ok"
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer(str(EMBEDDED_TOKENIZER))
+    return Tokenizer(str(embedded_family().tokenizer))
 
 
 def stream(tok, ids, stop=(), include_stop=False):

@@ -185,7 +185,7 @@ def test_prometheus_grafana_and_the_server_agree():
 
 def test_promtool_accepts_the_compose_prometheus_config():
     if not shutil.which("promtool"):
-        pytest.fail("promtool not found: `apt-get install -y --no-install-recommends prometheus` (.ci/run does)")
+        pytest.fail("promtool not found: `apt-get install -y --no-install-recommends prometheus` (`make test` does)")
     out = subprocess.run(["promtool", "check", "config", str(DOCKER / "prometheus" / "prometheus.yml")],
                          check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

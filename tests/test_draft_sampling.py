@@ -1,8 +1,8 @@
 """speculators/draft_sampling.py: drafts drawn at T > 0 follow the drafter's distribution exactly."""
 import torch
 
-from sampling.params import SamplingParams
-from speculators.draft_sampling import draft_generator, sample_drafts
+from specserve.sampling.params import SamplingParams
+from specserve.speculators.draft_sampling import draft_generator, sample_drafts
 
 
 def test_draws_follow_the_probabilities_and_never_pick_zero_probability_tokens():

@@ -2,7 +2,7 @@
 leaves the RNG alone."""
 import torch
 
-from server.engine.builder import pick_dtype
+from specserve.server.engine.builder import pick_dtype
 
 
 def test_explicit_dtypes_pass_through():

@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
-from sampling.params import SamplingParams
-from server.config import EngineConfig
-from server.engine.builder import EMBEDDED_TARGET
-from server.engine.offline import OfflineEngine
-from speculators.base import SpecParams
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig
+from specserve.server.engine.offline import OfflineEngine
+from specserve.server.models.embedded import require as embedded_family
+from specserve.speculators.base import SpecParams
 from training import common
 from training.evaluate import function_prompts
 
@@ -35,7 +35,7 @@ def prompts(offline):
 @pytest.fixture(scope="module")
 def hf_model():
     from transformers import LlamaForCausalLM
-    return LlamaForCausalLM.from_pretrained(str(EMBEDDED_TARGET), torch_dtype=torch.float32).eval()
+    return LlamaForCausalLM.from_pretrained(str(embedded_family().target), torch_dtype=torch.float32).eval()
 
 
 def _greedy(offline, prompts, spec):
@@ -43,11 +43,11 @@ def _greedy(offline, prompts, spec):
 
 
 def test_checkpoint_declares_mtp_and_default_engine_offers_it(offline):
-    cfg = json.loads((EMBEDDED_TARGET / "config.json").read_text())
+    cfg = json.loads((embedded_family().target / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
     assert cfg["num_key_value_heads"] < cfg["num_attention_heads"]          # GQA
     assert "mtp" in offline.engine.spec.speculators
-    assert (EMBEDDED_TARGET / "model.safetensors").stat().st_size < 150e6
+    assert (embedded_family().target / "model.safetensors").stat().st_size < 150e6
 
 
 def test_hf_loads_the_main_model_and_agrees_with_the_server(offline, prompts, hf_model):
@@ -87,9 +87,9 @@ def test_plain_copy_for_other_servers_drops_only_the_mtp_layer(tmp_path):
     from transformers import LlamaForCausalLM
 
     from loadtest.bench_vllm import plain_copy
-    out = plain_copy(EMBEDDED_TARGET, tmp_path / "plain")
-    src, dst = load_file(EMBEDDED_TARGET / "model.safetensors"), load_file(out / "model.safetensors")
-    n = json.loads((EMBEDDED_TARGET / "config.json").read_text())["num_hidden_layers"]
+    out = plain_copy(embedded_family().target, tmp_path / "plain")
+    src, dst = load_file(embedded_family().target / "model.safetensors"), load_file(out / "model.safetensors")
+    n = json.loads((embedded_family().target / "config.json").read_text())["num_hidden_layers"]
     mtp = {k for k in src if k.startswith(f"model.layers.{n}.")}
     assert mtp and set(dst) == set(src) - mtp
     assert all(torch.equal(dst[k], src[k]) for k in dst)
@@ -104,7 +104,7 @@ def test_bf16_family_every_method_keeps_greedy_text_in_one_batch(prompts):
     """`--dtype bfloat16` on a CPU with bf16 units: bf16 weights (packed, row-stable) with fp32 KV and
     attention. Every speculator, mixed in one batch, emits what plain bf16 decoding emits on these prompts
     (with bf16 attention they diverge; a rare near-tie can still flip in bf16, see builder.pick_dtype)."""
-    from server.models.linear import Linear, pack_linears
+    from specserve.server.models.linear import Linear, pack_linears
     if pack_linears(Linear(64, 64).to(torch.bfloat16)) == 0:
         pytest.skip("this CPU's oneDNN has no packed bf16 kernel: bf16 rows may depend on the batch here")
     eng = OfflineEngine.from_config(EngineConfig(dtype="bfloat16", device="cpu", num_threads=1,
@@ -119,4 +119,6 @@ def test_bf16_family_every_method_keeps_greedy_text_in_one_batch(prompts):
     outs = _greedy(eng, batch, specs)
     for i, out in enumerate(outs):
         assert out.token_ids == plain[i // len(methods)].token_ids, specs[i]
-    assert all(o.spec_stats.num_accepted_tokens > 0 for o, s in zip(outs, specs) if s.method in ("draft", "eagle3", "mtp"))
+    assert all(
+        o.spec_stats.num_accepted_tokens > 0 for o, s in zip(outs, specs) if s.method in ("draft", "eagle3", "mtp")
+    )

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from sampling.params import SamplingParams
-from server.config import EngineConfig
-from server.engine.offline import OfflineEngine
-from speculators.base import SpecParams
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig
+from specserve.server.engine.offline import OfflineEngine
+from specserve.speculators.base import SpecParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -154,7 +154,7 @@ def test_bf16_speculation_keeps_greedy_text(tiny_model_dir, prompts):
     decoding emits here (with bf16 attention it does not; near-ties can still flip, builder.pick_dtype)."""
     import torch
 
-    from server.models.linear import Linear, pack_linears
+    from specserve.server.models.linear import Linear, pack_linears
     if pack_linears(Linear(64, 64).to(torch.bfloat16)) == 0:
         pytest.skip("this CPU's oneDNN has no packed bf16 kernel: bf16 rows may depend on the batch here")
     eng = make_engine(tiny_model_dir, dtype="bfloat16")

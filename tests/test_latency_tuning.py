@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sampling.params import SamplingParams
-from server.config import EngineConfig
-from server.engine.offline import OfflineEngine
-from server.models import latency_tuning
-from server.models.linear import Linear, pack_linears
-from speculators.base import SpecParams
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig
+from specserve.server.engine.offline import OfflineEngine
+from specserve.server.models import latency_tuning
+from specserve.server.models.linear import Linear, pack_linears
+from specserve.speculators.base import SpecParams
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 

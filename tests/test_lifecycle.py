@@ -22,9 +22,9 @@ from reliability_support import (
     wait_until,
 )
 
-from server.api.lifecycle import LifecycleConfig
-from server.api.limits import Limits
-from server.cli import build_parser, configs_from_args, flag_for, lifecycle_from_args
+from specserve.server.api.lifecycle import LifecycleConfig
+from specserve.server.api.limits import Limits
+from specserve.server.cli import build_parser, configs_from_args, flag_for, lifecycle_from_args
 
 C = "/v1/completions"
 LONG = {"model": SERVED_NAME, "prompt": "go", "ignore_eos": True}
@@ -103,7 +103,7 @@ KEY = "sk-lifecycle"
 
 
 def _server_with_key(engine, model_dir, **lifecycle) -> InProcessServer:
-    from server.config import ServerConfig
+    from specserve.server.config import ServerConfig
     return InProcessServer(engine, model_dir, lifecycle=LifecycleConfig(**lifecycle),
                            server_config=ServerConfig(api_key=KEY))
 
@@ -130,8 +130,8 @@ def test_probe_auth_flags(engine, tiny_model_dir, public_health, public_metrics)
 def test_liveness_and_readiness_while_loading():
     from fastapi.testclient import TestClient
 
-    from server.api.app import create_app
-    from server.config import EngineConfig
+    from specserve.server.api.app import create_app
+    from specserve.server.config import EngineConfig
     release = threading.Event()
 
     def slow_factory(cfg, on_step=None):

@@ -159,22 +159,42 @@ def test_vllm_comparison_table_pairs_rows_by_server_method_and_concurrency():
     other = [{**r, "prompt_set": "code_completion", "output_throughput": r["output_throughput"] * (2 if
               r["server"] == "ours" else 1)} for r in rows]
     table = ratio_table(rows + other, [1])                      # sets are paired within themselves
-    assert [(t["prompt_set"], t["method"]) for t in table] == [("code_completion", "ngram"), ("code_completion", "none"),
-                                                               ("code_editing", "ngram"), ("code_editing", "none")]
+    assert [(t["prompt_set"], t["method"]) for t in table] == [
+        ("code_completion", "ngram"),
+        ("code_completion", "none"),
+        ("code_editing", "ngram"),
+        ("code_editing", "none"),
+    ]
     assert [t["ratio"] for t in table] == pytest.approx([3.0, 2.2, 1.5, 1.1])
 
 
 def test_step_profile_accounts_for_each_stage(tiny_model_dir, capsys):
     """loadtest.profile_step on the tiny model: none first and last, every stage timed, stages within the step."""
     from loadtest import profile_step
-    results = profile_step.main(["--model", str(tiny_model_dir), "--methods", "ngram", "--k", "2",
-                                 "--concurrency", "3", "--max-tokens", "6", "--temperature", "0.8",
-                                 "--kv-cache-memory-gb", "0.02"])
+
+    results = profile_step.main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--methods",
+            "ngram",
+            "--k",
+            "2",
+            "--concurrency",
+            "3",
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0.8",
+            "--kv-cache-memory-gb",
+            "0.02",
+        ]
+    )
     assert [r["method"] for r in results] == ["none", "ngram", "none"]
     for r in results:
         assert r["steps"] > 0 and r["tok_per_s"] > 0
         assert {"forward", "logits", "sampler", "prepare", "emit"} <= set(r["stages"])
-        assert sum(r["stages"].values()) <= r["ms_per_step"] * 1.01   # stages are inside the step
+        assert sum(r["stages"].values()) <= r["ms_per_step"] * 1.01  # stages are inside the step
     assert results[1]["stages"].get("propose", 0) > 0 and "ms/step" in capsys.readouterr().out
 
 
@@ -182,8 +202,25 @@ def test_interleaved_ab_pairs_every_prompt_and_keeps_greedy_output(tiny_model_di
     """loadtest.bench_interleaved on the tiny model: one row per (method, k), both arms over the same tokens,
     per-round ratios bracketing the pooled speedup, and fp32 greedy output equal to plain in every pair."""
     from loadtest import bench_interleaved
-    rows = bench_interleaved.main(["--model", str(tiny_model_dir), "--dtype", "float32", "--methods", "ngram",
-                                   "--ks", "1,3", "--num-prompts", "3", "--new-tokens", "8", "--rounds", "2"])
+
+    rows = bench_interleaved.main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--dtype",
+            "float32",
+            "--methods",
+            "ngram",
+            "--ks",
+            "1,3",
+            "--num-prompts",
+            "3",
+            "--new-tokens",
+            "8",
+            "--rounds",
+            "2",
+        ]
+    )
     assert [(r["method"], r["k"]) for r in rows] == [("ngram", 1), ("ngram", 3)]
     for r in rows:
         assert r["greedy_mismatches"] == 0 and r["tau"] >= 1.0
@@ -194,6 +231,7 @@ def test_interleaved_ab_pairs_every_prompt_and_keeps_greedy_output(tiny_model_di
 
 def test_vllm_gets_intel_openmp_preloaded_when_its_venv_has_it(tmp_path):
     from loadtest.bench_vllm import vllm_env
+
     python = tmp_path / "bin" / "python"
     env = vllm_env(str(python), 2, base={"LD_PRELOAD": "/x.so"})
     assert "LD_PRELOAD" in env and env["LD_PRELOAD"] == "/x.so" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"

@@ -56,7 +56,9 @@ def test_sweep_with_rounds_against_the_server(server_url, tmp_path, monkeypatch,
     for r in res:
         assert len(r["rounds"]) == 2 and r["completed"] == 4
         assert r["total_output_tokens"] == sum(x["total_output_tokens"] for x in r["rounds"])
-        assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / sum(x["duration_s"] for x in r["rounds"]))
+        assert r["output_throughput"] == pytest.approx(
+            r["total_output_tokens"] / sum(x["duration_s"] for x in r["rounds"])
+        )
     # the second round runs the cell backwards: ngram first
     progress = [line.split("] ")[1].split()[0] for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
     assert progress == ["none", "ngram", "ngram", "none"]
@@ -67,13 +69,29 @@ def test_paired_baselines_run_every_arm_on_every_prompt_in_alternating_order(tin
     reversed on the next prompt; pooled rows feed bench_baselines' ratio tables."""
     from loadtest import bench_baselines as bb
     from loadtest import bench_paired as bp
+
     (tmp_path / "target").symlink_to(tiny_model_dir)
     import httpx
+
     model = httpx.get(f"{server_url}/v1/models").json()["data"][0]["id"]
-    runs = bp.arms(server_url, model, bb.hf_models(tmp_path, 3, "float32"), bb.offline_engine(tmp_path, 1, "float32"),
-                   ["ngram"], ["none", "ngram"], k=3, max_tokens=6)
-    assert list(runs) == [("hf", "plain"), ("hf", "prompt_lookup"), ("ours", "none"), ("ours", "ngram"),
-                          ("ours-offline", "none"), ("ours-offline", "ngram")]
+    runs = bp.arms(
+        server_url,
+        model,
+        bb.hf_models(tmp_path, 3, "float32"),
+        bb.offline_engine(tmp_path, 1, "float32"),
+        ["ngram"],
+        ["none", "ngram"],
+        k=3,
+        max_tokens=6,
+    )
+    assert list(runs) == [
+        ("hf", "plain"),
+        ("hf", "prompt_lookup"),
+        ("ours", "none"),
+        ("ours", "ngram"),
+        ("ours-offline", "none"),
+        ("ours-offline", "ngram"),
+    ]
     lines: list[str] = []
     rows, per_request = bp.run_paired(runs, ["code_completion"], 2, rounds=1, log=lines.append)
     assert len(per_request) == 12 and len(lines) == 2
@@ -83,7 +101,8 @@ def test_paired_baselines_run_every_arm_on_every_prompt_in_alternating_order(tin
     assert all(r["output_tokens"] == 6 and r["seconds"] > 0 for r in per_request)
     pooled = {(r["who"], r["method"]): r for r in rows}
     assert pooled[("ours", "ngram")]["tok_per_s"] == pytest.approx(
-        12 / sum(r["seconds"] for r in per_request if (r["who"], r["method"]) == ("ours", "ngram")))
+        12 / sum(r["seconds"] for r in per_request if (r["who"], r["method"]) == ("ours", "ngram"))
+    )
     table = {r["hf"]: r for r in bb.ratios(rows)}
     assert table["prompt_lookup"]["ours_same"] == "ngram"
     spread = bp.prompt_spread(per_request, ("ours", "ngram"), "prompt_lookup")["code_completion"]
@@ -94,13 +113,37 @@ def test_server_ab_runs_each_config_and_the_offline_engine(tiny_model_dir, tmp_p
     """loadtest.bench_server_ab: one server per --config (here in-thread and --engine-process), every method on
     each, the offline engine as reference; ratios to it per prompt set and method."""
     from loadtest import bench_server_ab as ab
+
     models = tmp_path / "models"
     models.mkdir()
     (models / "target").symlink_to(tiny_model_dir)
     monkeypatch.setattr(ab, "RESULTS", tmp_path / "results")
-    ab.main(["--models", str(models), "--dtype", "float32", "--threads", "1", "--prompts", "2", "--rounds", "1",
-             "--max-tokens", "4", "--k", "2", "--prompt-sets", "code_completion", "--methods", "none,ngram",
-             "--config", "thread=", "--config", "process=--engine-process"])
+    ab.main(
+        [
+            "--models",
+            str(models),
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+            "--prompts",
+            "2",
+            "--rounds",
+            "1",
+            "--max-tokens",
+            "4",
+            "--k",
+            "2",
+            "--prompt-sets",
+            "code_completion",
+            "--methods",
+            "none,ngram",
+            "--config",
+            "thread=",
+            "--config",
+            "process=--engine-process",
+        ]
+    )
     data = json.loads(next((tmp_path / "results").glob("server-ab-*/results.json")).read_text())
     assert data["meta"]["configs"] == {"thread": [], "process": ["--engine-process"]}
     arms = {(r["who"], r["method"]) for r in data["rows"]}
@@ -117,6 +160,7 @@ def test_server_ab_config_must_be_name_equals_flags(bad):
     import argparse
 
     from loadtest.bench_server_ab import parse_config
+
     assert parse_config("p=--engine-process --num-threads 1") == ("p", ["--engine-process", "--num-threads", "1"])
     assert parse_config("plain=") == ("plain", [])
     with pytest.raises(argparse.ArgumentTypeError):

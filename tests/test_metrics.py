@@ -6,8 +6,8 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
-from server.engine.stats import RequestTimings, SpecStepStats, StepStats
-from server.metrics import Metrics, instrument_app
+from specserve.server.engine.stats import RequestTimings, SpecStepStats, StepStats
+from specserve.server.metrics import Metrics, instrument_app
 
 MODEL = "m"
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.kv_cache import allocate_kv_cache
-from server.models import attention
-from server.models.attention import build_attention_metadata
-from server.models.config import ModelConfig
-from server.models.loader import build_random_model
+from specserve.server.kv.kv_cache import allocate_kv_cache
+from specserve.server.models import attention
+from specserve.server.models.attention import build_attention_metadata
+from specserve.server.models.config import ModelConfig
+from specserve.server.models.loader import build_random_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

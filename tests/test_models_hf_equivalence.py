@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from server.engine.kv_cache import allocate_kv_cache
-from server.models.attention import SHORT_QUERY_MAX, build_attention_metadata
-from server.models.config import ModelConfig, load_config
-from server.models.linear import ONEDNN_PACKING, Linear, pack_linears
-from server.models.llama import LlamaDecoderLayer
-from server.models.loader import (
+from specserve.server.kv.kv_cache import allocate_kv_cache
+from specserve.server.models.attention import SHORT_QUERY_MAX, build_attention_metadata
+from specserve.server.models.config import ModelConfig, load_config
+from specserve.server.models.linear import ONEDNN_PACKING, Linear, pack_linears
+from specserve.server.models.llama import LlamaDecoderLayer
+from specserve.server.models.loader import (
     build_random_model,
     load_layer_weights,
     load_model,
@@ -176,8 +176,8 @@ def test_packed_linear_rows_do_not_depend_on_batch_size(dtype):
     tolerance = 0.0 if packed else 1e-4 if dtype == torch.float32 else 2e-2
     for m, rows in batches.items():
         diff = (rows.float() - alone[:m].float()).abs().max().item()
-        assert diff <= tolerance, \
-            f"{dtype} linear rows depend on the batch size (M={m}, {diff}): greedy decoding could change with speculation"
+        assert diff <= tolerance, (f"{dtype} linear rows depend on the batch size (M={m}, {diff}): "
+                                   "greedy decoding could change with speculation")
 
 
 def test_aux_hidden_states_match_hf_output_hidden_states(case):
@@ -213,8 +213,11 @@ def test_extra_mtp_tensors_are_ignored_but_readable(tmp_path, sharded):
     hf = make_hf_model("LlamaConfig", {"num_nextn_predict_layers": 1})
     hf.save_pretrained(tmp_path, max_shard_size="40KB") if sharded else hf.save_pretrained(tmp_path)
     layers = hf.config.num_hidden_layers
-    block = {k.removeprefix("model.layers.0."): v.clone() for k, v in hf.state_dict().items()
-             if k.startswith("model.layers.0.")}
+    block = {
+        k.removeprefix("model.layers.0."): v.clone()
+        for k, v in hf.state_dict().items()
+        if k.startswith("model.layers.0.")
+    }
     extra = {  # DeepSeek-V3 style (model.layers.{L}.*) and MiMo style (model.mtp_layers.*)
         f"model.layers.{layers}.eh_proj.weight": torch.randn(64, 128),
         f"model.layers.{layers}.self_attn.q_proj.weight": torch.randn(64, 64),
@@ -266,13 +269,22 @@ def test_missing_tensor_is_an_error(tmp_path):
 
 
 def test_config_spellings_and_errors(tmp_path):
-    base = {**BASE, "architectures": ["LlamaForCausalLM"], "rope_theta": 5e5,
-            "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192}}
-    cfg = ModelConfig.from_dict(base)        # transformers 4.x spelling: top-level theta, legacy "type"
+    base = {
+        **BASE,
+        "architectures": ["LlamaForCausalLM"],
+        "rope_theta": 5e5,
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+    cfg = ModelConfig.from_dict(base)  # transformers 4.x spelling: top-level theta, legacy "type"
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling.rope_type == "llama3"
     qwen3 = ModelConfig.from_dict({**BASE, "architectures": ["Qwen3ForCausalLM"]})
-    assert qwen3.head_dim == 128             # Qwen3Config's class default, not hidden / heads
+    assert qwen3.head_dim == 128  # Qwen3Config's class default, not hidden / heads
     mistral = ModelConfig.from_dict({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": None})
     assert mistral.sliding_window is None and not mistral.attention_bias
     with pytest.raises(ValueError, match="unsupported architecture"):

@@ -2,12 +2,12 @@
 import numpy as np
 import pytest
 
-from sampling.params import SamplingParams
-from server.engine.request import Request
-from speculators.base import SpecParams
-from speculators.ngram import NgramSpeculator
-from speculators.ngram_match import TokenBuffer, longest_match
-from speculators.prediction import PredictionSpeculator
+from specserve.sampling.params import SamplingParams
+from specserve.server.engine.request import Request
+from specserve.speculators.base import SpecParams
+from specserve.speculators.ngram import NgramSpeculator
+from specserve.speculators.ngram_match import TokenBuffer, longest_match
+from specserve.speculators.prediction import PredictionSpeculator
 
 
 def arr(x):
@@ -51,7 +51,10 @@ def test_token_buffer_grows():
     assert b.view().tolist() == [1, 2] + list(range(200))
 
 
-def mkreq(prompt, out=(), spec=SpecParams("ngram", 4), pred=None):
+NGRAM_4 = SpecParams("ngram", 4)
+
+
+def mkreq(prompt, out=(), spec=NGRAM_4, pred=None):
     r = Request("r", list(prompt), SamplingParams(max_tokens=50), spec, prediction_token_ids=pred)
     r.output_token_ids = list(out)
     return r

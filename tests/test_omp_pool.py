@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import os, threading, torch
-from server.engine.omp_pool import loaded_libgomp, release_thread_pool
+from specserve.server.engine.omp_pool import loaded_libgomp, release_thread_pool
 
 def threads():
     return len(os.listdir("/proc/self/task"))

@@ -23,12 +23,12 @@ from reliability_support import (
     wait_until,
 )
 
-from sampling.params import SamplingParams
-from server.engine.async_engine import AsyncEngine
-from server.engine.errors import ContextLengthError, EngineDeadError
-from server.engine.process_engine import ProcessEngine
-from server.engine.stats import StepStats
-from speculators.base import SpecParams
+from specserve.sampling.params import SamplingParams
+from specserve.server.engine.async_engine import AsyncEngine
+from specserve.server.engine.errors import ContextLengthError, EngineDeadError
+from specserve.server.engine.process_engine import ProcessEngine
+from specserve.server.engine.stats import StepStats
+from specserve.speculators.base import SpecParams
 
 PROMPT = [5, 9, 17, 5, 9, 17, 5, 9, 17, 5, 9]      # repetitive: n-gram drafts get accepted
 
@@ -168,7 +168,7 @@ def test_a_killed_engine_process_fails_requests_instead_of_hanging(tiny_model_di
 
 
 def test_start_failure_is_the_original_error(tmp_path):
-    from server.config import EngineConfig
+    from specserve.server.config import EngineConfig
     with pytest.raises(ValueError, match="no config.json"):
         ProcessEngine(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu"))
 
@@ -184,12 +184,12 @@ def test_shutdown_ends_the_engine_process(tiny_model_dir):
 
 
 def test_every_method_has_a_class_to_check_its_options_without_a_model():
-    # ProcessEngine checks options in the server process from SPECULATOR_CLASSES; a method missing there
-    # would turn a bad `speculation` into a KeyError (500) instead of a 400.
-    from server.engine.spec_dispatch import SPECULATOR_CLASSES, validate_spec
-    from speculators.base import METHODS
-    assert set(SPECULATOR_CLASSES) == set(METHODS) - {"none"}
-    for method in SPECULATOR_CLASSES:
+    # ProcessEngine checks options in the server process from the registry's classes; a method missing
+    # there would turn a bad `speculation` into a KeyError (500) instead of a 400.
+    from specserve.server.engine.spec_dispatch import validate_spec
+    from specserve.speculators.registry import BY_NAME, METHODS
+    assert set(BY_NAME) == set(METHODS) - {"none"}
+    for method in BY_NAME:
         with pytest.raises(ValueError):
             validate_spec(SpecParams(method, 2, {"no_such_option": 1}))
         validate_spec(SpecParams(method, 2))

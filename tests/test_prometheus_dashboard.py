@@ -36,7 +36,7 @@ from dashboard_support import (
 
 INSTALL_HINT = ("Debian's `prometheus` package (prometheus + promtool) is needed for this test: "
                 "`apt-get install -y --no-install-recommends prometheus` (after `apt-get update` on a fresh "
-                "machine; .ci/run does this)")
+                "machine; `make test` does this)")
 # Names the issue asks the dashboard to show (case-insensitive substrings of panel titles).
 REQUIRED_PANELS = ("acceptance rate by method", "mean acceptance length by method", "per-position acceptance",
                    "draft / accepted / rejected tokens", "tokens per verification step", "time to first token",
@@ -356,7 +356,7 @@ def test_promtool_check_metrics_on_a_scrape(live: Live):
                          check=False, timeout=30)
     problems = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     # Exit 3 = lint findings only (1 would be a parse error). The one finding we accept on purpose:
-    # the `specserve:` prefix (DESIGN.md section 4; vLLM's `vllm:` names draw the same finding).
+    # the `specserve:` prefix (docs/architecture.md, metrics; vLLM's `vllm:` names draw the same finding).
     assert out.returncode in (0, 3), out
     others = [p for p in problems if not p.endswith("metric names should not contain ':'")]
     assert not others, "\n".join(others)

@@ -9,13 +9,14 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import sampling.rejection as rejection
-from sampling.outputs import SeqSamplingInput
-from sampling.params import SamplingParams
-from sampling.rejection import RejectionSampler
-from sampling.rng import RandomDraws
+import specserve.sampling.rejection as rejection
+from specserve.sampling.outputs import SeqSamplingInput
+from specserve.sampling.params import SamplingParams
+from specserve.sampling.rejection import RejectionSampler
+from specserve.sampling.rng import RandomDraws
 
 torch.set_num_threads(1)
 VOCAB = 5

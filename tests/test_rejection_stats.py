@@ -18,11 +18,11 @@ from collections import Counter
 import pytest
 import torch
 
-import sampling.penalties as penalties
-from sampling.draft_distribution import DraftDistribution
-from sampling.outputs import SeqSamplingInput
-from sampling.params import SamplingParams
-from sampling.rejection import RejectionSampler
+import specserve.sampling.penalties as penalties
+from specserve.sampling.draft_distribution import DraftDistribution
+from specserve.sampling.outputs import SeqSamplingInput
+from specserve.sampling.params import SamplingParams
+from specserve.sampling.rejection import RejectionSampler
 
 torch.set_num_threads(1)
 VOCAB = 6

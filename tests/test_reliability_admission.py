@@ -31,7 +31,7 @@ def engine(tiny_model_dir):
 
 @pytest.fixture
 def server(engine, tiny_model_dir, request):
-    from server.api.limits import Limits
+    from specserve.server.api.limits import Limits
     srv = InProcessServer(engine, tiny_model_dir, limits=Limits(**request.param))
     yield srv
     srv.stop()

@@ -12,15 +12,15 @@ from collections import Counter
 import pytest
 import torch
 
-import sampling.penalties as penalties
-import sampling.truncation as truncation
-from sampling.batch import SamplingBatch
-from sampling.logits_processor import LogitsProcessor
-from sampling.outputs import SeqSamplingInput
-from sampling.params import SamplingParams
-from sampling.rejection import RejectionSampler
-from sampling.rng import make_generator
-from sampling.sampler import Sampler
+import specserve.sampling.penalties as penalties
+import specserve.sampling.truncation as truncation
+from specserve.sampling.batch import SamplingBatch
+from specserve.sampling.logits_processor import LogitsProcessor
+from specserve.sampling.outputs import SeqSamplingInput
+from specserve.sampling.params import SamplingParams
+from specserve.sampling.rejection import RejectionSampler
+from specserve.sampling.rng import make_generator
+from specserve.sampling.sampler import Sampler
 
 torch.set_num_threads(1)
 NEG_INF = float("-inf")

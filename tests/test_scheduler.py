@@ -1,9 +1,9 @@
 """Scheduler: budgets, chunked prefill, draft slots, preemption by recompute. No torch."""
-from sampling.params import SamplingParams
-from server.engine.block_manager import BlockManager
-from server.engine.request import Request, RequestStatus
-from server.engine.scheduler import Scheduler
-from speculators.base import SpecParams
+from specserve.sampling.params import SamplingParams
+from specserve.server.engine.request import Request, RequestStatus
+from specserve.server.engine.scheduler import Scheduler
+from specserve.server.kv.block_manager import BlockManager
+from specserve.speculators.base import SpecParams
 
 
 def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=256, caching=True):

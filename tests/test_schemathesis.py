@@ -28,7 +28,7 @@ EXCLUDED = [st_checks.positive_data_acceptance]
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir):
-    from server.api.limits import Limits
+    from specserve.server.api.limits import Limits
 
     engine = build_engine(tiny_model_dir)
     server = InProcessServer(engine, tiny_model_dir, limits=Limits(request_timeout=3.0))

@@ -18,19 +18,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sampling.outputs import SeqSamplingInput
-from sampling.params import SamplingParams
-from sampling.rejection import RejectionSampler
-from server.config import EngineConfig
-from server.engine.offline import OfflineEngine
-from server.engine.request import Request
-from server.models.attention import build_attention_metadata
-from server.models.config import ModelConfig
-from server.models.linear import pack_linears
-from server.models.loader import build_random_model
-from speculators.base import SpecParams
-from speculators.draft_kv import DraftKVCache
-from speculators.draft_model import DraftModelSpeculator
+from specserve.sampling.outputs import SeqSamplingInput
+from specserve.sampling.params import SamplingParams
+from specserve.sampling.rejection import RejectionSampler
+from specserve.server.config import EngineConfig
+from specserve.server.engine.offline import OfflineEngine
+from specserve.server.engine.request import Request
+from specserve.server.models.attention import build_attention_metadata
+from specserve.server.models.config import ModelConfig
+from specserve.server.models.linear import pack_linears
+from specserve.server.models.loader import build_random_model
+from specserve.speculators.base import SpecParams
+from specserve.speculators.draft_kv import DraftKVCache
+from specserve.speculators.draft_model import DraftModelSpeculator
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "models" / "tokenizer"

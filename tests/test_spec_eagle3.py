@@ -32,12 +32,12 @@ from test_spec_draft_model import (
     write_checkpoint,
 )
 
-from sampling.params import SamplingParams
-from server.models.attention import build_attention_metadata
-from server.models.config import ModelConfig
-from server.models.loader import load_model
-from speculators.base import SpecParams
-from speculators.eagle3_loader import default_taps, parse_eagle3_config
+from specserve.sampling.params import SamplingParams
+from specserve.server.models.attention import build_attention_metadata
+from specserve.server.models.config import ModelConfig
+from specserve.server.models.loader import load_model
+from specserve.speculators.base import SpecParams
+from specserve.speculators.eagle3_loader import default_taps, parse_eagle3_config
 
 TARGET_LAYERS = 8
 DRAFT_VOCAB = 1500
@@ -158,13 +158,14 @@ def ref_eagle_probs(head_file, target_dir, context: list[int], drafts: list[int]
         x, emb = torch.stack(hidden), embed[torch.tensor(tokens)]
         normed = ref_rms(x, w["midlayer.hidden_norm.weight"])
         a = torch.cat([ref_rms(emb, w["midlayer.input_layernorm.weight"]), normed], -1)
-        h = (normed if norm_before_residual else x) + ref_attention(a, w, "midlayer.self_attn.", torch.tensor(positions))
+        attn = ref_attention(a, w, "midlayer.self_attn.", torch.tensor(positions))
+        h = (normed if norm_before_residual else x) + attn
         h = h + ref_mlp(ref_rms(h, w["midlayer.post_attention_layernorm.weight"]), w, "midlayer.mlp.")
-        draft_logits = ref_rms(h[-1], w["norm.weight"]) @ w["lm_head.weight"].T               # [Vd]
+        draft_logits = ref_rms(h[-1], w["norm.weight"]) @ w["lm_head.weight"].T  # [Vd]
         full = torch.full((embed.shape[0],), float("-inf"))
-        full[torch.arange(len(draft_logits)) + w.get("d2t", 0)] = draft_logits                     # d2t: offsets
+        full[torch.arange(len(draft_logits)) + w.get("d2t", 0)] = draft_logits  # d2t: offsets
         rows.append(full)
-        hidden.append(h[-1])                 # the next row: own pre-norm output, the draft just made
+        hidden.append(h[-1])  # the next row: own pre-norm output, the draft just made
         tokens.append(drafts[j])
         positions.append(positions[-1] + 1)
     return reference_probs(torch.stack(rows), params)
@@ -177,10 +178,12 @@ def dirs(tmp_path_factory):
     target = write_target(root / "target")
     weights = eagle_weights(seed=7)
     embedding = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]
-    return {"target": target,
-            "original": write_eagle_original(root / "original", weights),            # default taps, target's embedding
-            "speculators": write_eagle_speculators(root / "speculators", weights, (5, 2, 4), False, embedding),
-            "nbr": write_eagle_speculators(root / "nbr", eagle_weights(seed=8), None, True)}
+    return {
+        "target": target,
+        "original": write_eagle_original(root / "original", weights),  # default taps, target's embedding
+        "speculators": write_eagle_speculators(root / "speculators", weights, (5, 2, 4), False, embedding),
+        "nbr": write_eagle_speculators(root / "nbr", eagle_weights(seed=8), None, True),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +209,7 @@ def test_both_layouts_of_the_same_weights_draft_identically(dirs):
     other = make_engine(dirs["target"], eagle3=str(dirs["speculators"]), enable_prefix_caching=False)
     spec = other.engine.spec.speculators["eagle3"]
     assert spec.head.spec.layout == "speculators" and spec.aux_layer_ids == (2, 4, 5)
-    assert spec.head.embed_tokens is not other.engine.runner.model.embed_tokens      # its own copy
+    assert spec.head.embed_tokens is not other.engine.runner.model.embed_tokens  # its own copy
     prompts = encode(engine)
     for params in (SamplingParams(**GREEDY, max_tokens=16), SamplingParams(temperature=1.0, seed=3, max_tokens=16)):
         assert_same_proposals((engine, other), "eagle3", prompts, params, SpecParams("eagle3", 3))
@@ -220,10 +223,16 @@ def test_drafts_follow_a_from_scratch_reference_of_the_head(dirs, variant):
     eng.generate(encode(eng)[:2], params, SpecParams("eagle3", 4))
     assert len(log) > 5
     for context, drafts, probs, sampling in log[::2]:
-        ref = ref_eagle_probs(dirs[variant] / "model.safetensors", dirs["target"], context, drafts, sampling,
-                              norm_before_residual=variant == "nbr")
+        ref = ref_eagle_probs(
+            dirs[variant] / "model.safetensors",
+            dirs["target"],
+            context,
+            drafts,
+            sampling,
+            norm_before_residual=variant == "nbr",
+        )
         torch.testing.assert_close(probs, ref, atol=2e-5, rtol=1e-3)
-        assert all(ref[j, d] > 0 for j, d in enumerate(drafts))     # drafts are target ids via d2t
+        assert all(ref[j, d] > 0 for j, d in enumerate(drafts))  # drafts are target ids via d2t
 
 
 def test_preemption_mid_speculation_keeps_greedy_text(dirs, engine):
@@ -241,25 +250,40 @@ def test_preemption_mid_speculation_keeps_greedy_text(dirs, engine):
 def test_config_layouts_defaults_and_refusals():
     target = ModelConfig.from_dict(target_config(num_hidden_layers=32))
     assert default_taps(32) == (2, 16, 29)
-    flat = {**BASE, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "vocab_size": vocab_size(),
-            "draft_vocab_size": 100}
+    flat = {
+        **BASE,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "num_hidden_layers": 1,
+        "vocab_size": vocab_size(),
+        "draft_vocab_size": 100,
+    }
     spec = parse_eagle3_config(flat, target)
-    assert (spec.layout, spec.aux_layer_ids, spec.norm_before_residual, spec.draft_vocab_size) == \
-        ("eagle", (2, 16, 29), False, 100)
+    assert (spec.layout, spec.aux_layer_ids, spec.norm_before_residual, spec.draft_vocab_size) == (
+        "eagle",
+        (2, 16, 29),
+        False,
+        100,
+    )
     assert spec.layer_cfg.rope_theta == 10000.0
-    nested = {"speculators_model_type": "eagle3", "draft_vocab_size": 100, "norm_before_residual": True,
-              "eagle_aux_hidden_state_layer_ids": [30, 1, 15],
-              "transformer_layer_config": {k: v for k, v in flat.items() if k != "architectures"}}
+    nested = {
+        "speculators_model_type": "eagle3",
+        "draft_vocab_size": 100,
+        "norm_before_residual": True,
+        "eagle_aux_hidden_state_layer_ids": [30, 1, 15],
+        "transformer_layer_config": {k: v for k, v in flat.items() if k != "architectures"},
+    }
     spec = parse_eagle3_config(nested, target)
     assert (spec.layout, spec.aux_layer_ids, spec.norm_before_residual) == ("speculators", (1, 15, 30), True)
-    for bad, match in (({**nested, "norm_before_fc": True}, "norm_before_fc"),
-                       ({**nested, "eagle_aux_hidden_state_layer_ids": [1, 2, 40]}, "taps"),
-                       ({**flat, "num_hidden_layers": 2}, "decoder layers"),
-                       ({**flat, "eagle_config": {"use_aux_hidden_state": False}}, "EAGLE-1"),
-                       ({**flat, "target_hidden_size": 64}, "target hidden size")):
+    for bad, match in (
+        ({**nested, "norm_before_fc": True}, "norm_before_fc"),
+        ({**nested, "eagle_aux_hidden_state_layer_ids": [1, 2, 40]}, "taps"),
+        ({**flat, "num_hidden_layers": 2}, "decoder layers"),
+        ({**flat, "eagle_config": {"use_aux_hidden_state": False}}, "EAGLE-1"),
+        ({**flat, "target_hidden_size": 64}, "target hidden size"),
+    ):
         with pytest.raises(ValueError, match=match):
             parse_eagle3_config(bad, target)
-    assert json.dumps(nested)          # the dicts above are plain JSON, like the files on the hub
+    assert json.dumps(nested)  # the dicts above are plain JSON, like the files on the hub
 
 
 @torch.no_grad()
@@ -283,15 +307,26 @@ def test_the_embedded_familys_exports_draft_what_the_trainer_predicts(tmp_path, 
     from training.model import LlamaLM, LlamaSpec
 
     torch.manual_seed(0)
-    spec = LlamaSpec(vocab_size=vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=TARGET_LAYERS,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                     num_nextn_predict_layers=1)
+    spec = LlamaSpec(
+        vocab_size=vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_nextn_predict_layers=1,
+    )
     target = LlamaLM(spec)
     perturb(target)
     # the head keeps a frozen copy of the (final) target embedding, as in training; it is never exported
-    draft_ids = torch.randperm(spec.vocab_size)[:spec.vocab_size // 3].sort().values if reduced_vocab else None
-    head = TrainedHead(LlamaSpec(**{**spec.to_dict(), "num_hidden_layers": 1, "num_nextn_predict_layers": 0}),
-                       spec.hidden_size, target.model.embed_tokens.weight, draft_ids)
+    draft_ids = torch.randperm(spec.vocab_size)[: spec.vocab_size // 3].sort().values if reduced_vocab else None
+    head = TrainedHead(
+        LlamaSpec(**{**spec.to_dict(), "num_hidden_layers": 1, "num_nextn_predict_layers": 0}),
+        spec.hidden_size,
+        target.model.embed_tokens.weight,
+        draft_ids,
+    )
     perturb(head)
     export_llama(target, tmp_path / "target", dtype=torch.float32)
     export_eagle3(head, spec, tmp_path / "eagle3", aux_layer_ids(TARGET_LAYERS), dtype=torch.float32)
@@ -303,15 +338,15 @@ def test_the_embedded_familys_exports_draft_what_the_trainer_predicts(tmp_path, 
     eng.generate(prompts + prompts, params, [SpecParams("mtp", 1)] * 2 + [SpecParams("eagle3", 3)] * 2)
     layers = aux_layer_ids(TARGET_LAYERS)
     with torch.no_grad():
-        for context, drafts, probs, _ in logs["mtp"][::3]:
+        for context, _drafts, probs, _ in logs["mtp"][::3]:
             ids = torch.tensor([context])
-            mtp_logits = target.mtp_logits(ids, target.trunk(ids)[0])[0, len(context) - 2]       # predicts t_N
+            mtp_logits = target.mtp_logits(ids, target.trunk(ids)[0])[0, len(context) - 2]  # predicts t_N
             torch.testing.assert_close(probs[0], mtp_logits.softmax(-1), atol=2e-5, rtol=1e-3)
         for context, drafts, probs, _ in logs["eagle3"][::3]:
-            aux, _ = target_features(target, torch.tensor([context]), layers)                    # rows 0..N-2
+            aux, _ = target_features(target, torch.tensor([context]), layers)  # rows 0..N-2
             next_tokens = torch.tensor([context[1:] + drafts[:-1]])
             steps = head.ttt_logits(aux, next_tokens, len(drafts))
-            trained = torch.stack([s[0, len(context) - 2] for s in steps]).softmax(-1)            # [k, Vd]
+            trained = torch.stack([s[0, len(context) - 2] for s in steps]).softmax(-1)  # [k, Vd]
             if reduced_vocab:
                 full = torch.zeros(len(drafts), spec.vocab_size)
                 full[:, draft_ids] = trained
@@ -324,7 +359,8 @@ def test_the_embedded_familys_exports_draft_what_the_trainer_predicts(tmp_path, 
     # training.restrict_eagle3 cuts the same full-vocabulary export down to some rows: the server's drafts
     # are then the trainer's distribution over those rows only, renormalised.
     from training.restrict_eagle3 import restrict_head
-    rows = torch.randperm(spec.vocab_size)[:spec.vocab_size // 4].sort().values
+
+    rows = torch.randperm(spec.vocab_size)[: spec.vocab_size // 4].sort().values
     restrict_head(tmp_path / "eagle3", tmp_path / "eagle3-cut", rows)
     eng = make_engine(tmp_path / "target", eagle3=str(tmp_path / "eagle3-cut"), enable_prefix_caching=False)
     log = record_proposals(eng, "eagle3")

@@ -16,9 +16,9 @@ from test_spec_draft_model import (
 )
 from test_spec_eagle3 import eagle_weights, write_eagle_original, write_target
 
-from sampling.params import SamplingParams
-from speculators.base import DraftProposal, SpecParams, VerifiedStep
-from speculators.hybrid import HybridSpeculator
+from specserve.sampling.params import SamplingParams
+from specserve.speculators.base import DraftProposal, SpecParams, VerifiedStep
+from specserve.speculators.hybrid import HybridSpeculator
 
 
 class FakeRequest(SimpleNamespace):

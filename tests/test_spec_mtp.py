@@ -39,8 +39,8 @@ from test_spec_eagle3 import (
     write_target,
 )
 
-from sampling.params import SamplingParams
-from speculators.base import SpecParams
+from specserve.sampling.params import SamplingParams
+from specserve.speculators.base import SpecParams
 
 NAMES = {  # layout -> (embedding norm, hidden norm, projection, final norm, embedding first?)
     "deepseek_v3": ("enorm", "hnorm", "eh_proj", "shared_head.norm", True),
@@ -113,7 +113,7 @@ def ref_mtp_probs(target_dir, layout: str, num_layers: int, num_mtp: int, contex
         xs, logits = run(m, inputs, toks)
         rows.append(logits)
     extension: list[torch.Tensor] = []
-    for s in range(num_mtp, len(drafts)):          # chained: the last layer, one base further each step
+    for _ in range(num_mtp, len(drafts)):          # chained: the last layer, one base further each step
         extension.append(xs[-1])
         base = n - 2 + len(extension)
         xs, logits = run(num_mtp - 1, torch.cat([inputs, torch.stack(extension)]),

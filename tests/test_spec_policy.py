@@ -3,16 +3,16 @@ import itertools
 
 import pytest
 
-from sampling.params import SamplingParams
-from server.engine.request import Request
-from server.engine.scheduler import ScheduledSeq
-from server.engine.spec_policy import (
+from specserve.sampling.params import SamplingParams
+from specserve.server.engine.request import Request
+from specserve.server.engine.scheduler import ScheduledSeq
+from specserve.server.engine.spec_policy import (
     CALIBRATION_SHAPES,
     MIN_FIT_STEPS,
     GoodputPolicy,
     StepCostModel,
 )
-from speculators.base import SpecParams
+from specserve.speculators.base import SpecParams
 
 T0, T1 = 0.025, 0.0015        # a 2-core CPU step: 25 ms to stream the weights, 1.5 ms per query token
 
@@ -153,17 +153,18 @@ def test_one_rejected_first_draft_does_not_stop_a_method_at_batch_one():
 def test_engine_cuts_drafts_when_verifying_costs_more_than_it_gains(tiny_model_dir):
     """On the real engine: a cost model where every verified token is expensive makes the policy cut every
     draft; greedy text is unchanged, each cut is counted per request and in the step stats ("load")."""
-    from server.config import EngineConfig
-    from server.engine.offline import OfflineEngine
-    cfg = {"model": str(tiny_model_dir), "dtype": "float32", "device": "cpu", "num_threads": 1, "kv_cache_memory_gb": 0.02}
-    fixed = OfflineEngine.from_config(EngineConfig(**cfg))          # fixed is the default
+    from specserve.server.config import EngineConfig
+    from specserve.server.engine.offline import OfflineEngine
+    cfg = {"model": str(tiny_model_dir), "dtype": "float32", "device": "cpu", "num_threads": 1,
+           "kv_cache_memory_gb": 0.02}
+    fixed = OfflineEngine.from_config(EngineConfig(**cfg))  # fixed is the default
     assert fixed.engine.spec.policy is None
     eng = OfflineEngine.from_config(EngineConfig(**cfg, speculation_policy="goodput"))
     policy = eng.engine.spec.policy
     assert isinstance(policy, GoodputPolicy)
     for i in range(64):
         n = 1 + i % 40
-        policy.observe_step(n, 1e-4 + 1.0 * n)                   # one second per query token
+        policy.observe_step(n, 1e-4 + 1.0 * n)  # one second per query token
     prompt = eng.engine.tokenizer.encode("x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,")
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ref = fixed.generate([prompt], params, SpecParams("ngram", 4))[0]
@@ -187,31 +188,39 @@ def test_calibration_prior_gives_a_fit_at_once_and_online_steps_move_it():
     m.set_prior([(n, T0 + T1 * n) for n in (1, 3, 5, 7, 4, 20, 8, 40)])
     t0, t1 = m.fit()
     assert t0 == pytest.approx(T0, rel=1e-6) and t1 == pytest.approx(T1, rel=1e-6)
-    for _ in range(500):                       # the server is really 10 ms slower per step than calibrated
+    for _ in range(500):  # the server is really 10 ms slower per step than calibrated
         m.observe(5, T0 + 0.010 + T1 * 5)
-    t0, t1 = m.fit()                           # still a fit: the prior keeps its spread after 500 steps
-    moved = (t0 + t1 * 5) - (T0 + T1 * 5)      # the prediction where the server runs moves most of
-    assert 0.0067 < moved <= 0.010             # the 10 ms toward what it observes (prior: 16 steps' worth)
+    t0, t1 = m.fit()  # still a fit: the prior keeps its spread after 500 steps
+    moved = (t0 + t1 * 5) - (T0 + T1 * 5)  # the prediction where the server runs moves most of
+    assert 0.0067 < moved <= 0.010  # the 10 ms toward what it observes (prior: 16 steps' worth)
     assert 0 < t1 < 2 * T1
 
 
 def test_engine_goodput_policy_is_calibrated_before_the_first_request(tiny_model_dir):
-    from server.config import EngineConfig
-    from server.engine.offline import OfflineEngine
-    cfg = {"model": str(tiny_model_dir), "dtype": "float32", "device": "cpu", "num_threads": 1,
-           "kv_cache_memory_gb": 0.02}
+    from specserve.server.config import EngineConfig
+    from specserve.server.engine.offline import OfflineEngine
+
+    cfg = {
+        "model": str(tiny_model_dir),
+        "dtype": "float32",
+        "device": "cpu",
+        "num_threads": 1,
+        "kv_cache_memory_gb": 0.02,
+    }
     eng = OfflineEngine.from_config(EngineConfig(**cfg, speculation_policy="goodput"))
     policy = eng.engine.spec.policy
     assert [n for n, _ in policy.calibration] == [s * q for s, q in CALIBRATION_SHAPES]
     assert all(sec > 0 for _, sec in policy.calibration)
-    t0, t1 = policy.cost.fit()                 # usable before any step was observed
+    t0, t1 = policy.cost.fit()  # usable before any step was observed
     assert policy.cost.steps == 0 and t0 >= 0 and t1 > 0
     # the calibration's scratch K/V must not leak into what requests see
     prompt = eng.engine.tokenizer.encode("def f(x):\n    return x + 1\n")
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     fixed = OfflineEngine.from_config(EngineConfig(**cfg))
-    assert (eng.generate([prompt], params, SpecParams("ngram", 3))[0].token_ids
-            == fixed.generate([prompt], params)[0].token_ids)
+    assert (
+        eng.generate([prompt], params, SpecParams("ngram", 3))[0].token_ids
+        == fixed.generate([prompt], params)[0].token_ids
+    )
     assert eng.engine.scheduler.bm.num_free_blocks == eng.engine.scheduler.bm.num_blocks
     with pytest.raises(ValueError, match="KV blocks"):
         eng.engine.runner.time_verify_step(10**6, 1, 128)

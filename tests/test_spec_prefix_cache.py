@@ -22,8 +22,8 @@ from test_spec_draft_model import (
 from test_spec_eagle3 import eagle_weights, write_eagle_original
 from test_spec_mtp import write_mtp_target
 
-from sampling.params import SamplingParams
-from speculators.base import SpecParams
+from specserve.sampling.params import SamplingParams
+from specserve.speculators.base import SpecParams
 
 LONG = [TEXTS[0] * 3, TEXTS[2] * 3 + " 4]\n"]     # several 16-token blocks each
 
@@ -95,7 +95,7 @@ def test_no_room_for_the_prefix_falls_back_to_the_uncached_part(dirs):
 
 
 def test_the_stash_queues_rows_and_a_reused_slot_keeps_the_later_row():
-    from speculators.state_stash import TargetStateStash
+    from specserve.speculators.state_stash import TargetStateStash
     stash = TargetStateStash(8, 2, block_size=4, dtype=torch.float32, device="cpu",
                              project=lambda raw: raw[:, :2] + raw[:, 2:], max_pending_rows=5)
     first = torch.tensor([[1.0, 1, 10, 10], [2, 2, 20, 20]])          # slots 1, 2

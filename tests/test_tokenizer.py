@@ -1,8 +1,8 @@
 """Our tokenizer facade agrees with transformers' AutoTokenizer on the shipped tokenizer."""
 import pytest
 
-from server.engine.tokenizer import Tokenizer
-from server.engine.builder import EMBEDDED_TOKENIZER
+from specserve.server.engine.tokenizer import Tokenizer
+from specserve.server.models.embedded import require as embedded_family
 
 TEXTS = ["def f(x):\n    return x  # ok\n", "naïve café — 東京 🚀", "", "a\x00b", "<|endoftext|> literal"]
 
@@ -10,7 +10,7 @@ TEXTS = ["def f(x):\n    return x  # ok\n", "naïve café — 東京 🚀", "", 
 @pytest.fixture(scope="module")
 def pair():
     from transformers import AutoTokenizer
-    return Tokenizer(str(EMBEDDED_TOKENIZER)), AutoTokenizer.from_pretrained(str(EMBEDDED_TOKENIZER))
+    return Tokenizer(str(embedded_family().tokenizer)), AutoTokenizer.from_pretrained(str(embedded_family().tokenizer))
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -42,7 +42,7 @@ def test_special_tokens_and_sizes(pair):
 def test_template_errors_are_value_errors(tmp_path):
     import shutil
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(EMBEDDED_TOKENIZER / name, tmp_path / name)
+        shutil.copy(embedded_family().tokenizer / name, tmp_path / name)
     (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
     tok = Tokenizer(str(tmp_path))
     with pytest.raises(ValueError, match="no system role"):

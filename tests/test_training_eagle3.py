@@ -62,7 +62,7 @@ def test_head_trains_and_exports(tmp_path):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cfg["draft_vocab_size"] == cfg["vocab_size"] == 512 and cfg["target_hidden_size"] == 32
-    H, Ht, I, hd = 32, 32, 64, 8
+    H, Ht, Im, hd = 32, 32, 64, 8
     expected = {
         "fc.weight": (H, 3 * Ht),
         "midlayer.hidden_norm.weight": (H,),
@@ -72,9 +72,9 @@ def test_head_trains_and_exports(tmp_path):
         "midlayer.self_attn.v_proj.weight": (2 * hd, 2 * H),
         "midlayer.self_attn.o_proj.weight": (H, 4 * hd),
         "midlayer.post_attention_layernorm.weight": (H,),
-        "midlayer.mlp.gate_proj.weight": (I, H),
-        "midlayer.mlp.up_proj.weight": (I, H),
-        "midlayer.mlp.down_proj.weight": (H, I),
+        "midlayer.mlp.gate_proj.weight": (Im, H),
+        "midlayer.mlp.up_proj.weight": (Im, H),
+        "midlayer.mlp.down_proj.weight": (H, Im),
         "norm.weight": (H,),
         "lm_head.weight": (512, H),
     }

@@ -33,8 +33,8 @@ EXIT_RESUME = 75   # "not finished, rerun to resume" (EX_TEMPFAIL)
 
 
 def check_tokenizer() -> None:
-    from training.tokenizer import build_tokenizer, save_tokenizer
     from training.corpus import load_corpus
+    from training.tokenizer import build_tokenizer, save_tokenizer
     with tempfile.TemporaryDirectory() as d:
         save_tokenizer(build_tokenizer(load_corpus().train_texts()), Path(d))
         new = hashlib.sha256((Path(d) / "tokenizer.json").read_bytes()).hexdigest()
@@ -107,18 +107,23 @@ def main(argv=None):
         wanted = stage in stages or (stage == "target-2" and "target" in stages)
         if not wanted or done.exists() or (stage == "target" and (outs["target-2"] / "model.safetensors").exists()):
             continue
-        extra = {"target-2": ["--init-from", str(stage1)], "eagle3": ["--target", str(models / "target")]}.get(stage, [])
+        extra = {"target-2": ["--init-from", str(stage1)], "eagle3": ["--target", str(models / "target")]}.get(
+            stage, []
+        )
         if stage != "eagle3" and not args.smoke and common.precision(args.device) == "fp32":
-            extra.append("--compile")    # helps fp32 on CPU; with bf16 autocast it halved throughput here
+            extra.append("--compile")  # helps fp32 on CPU; with bf16 autocast it halved throughput here
         trainers[stage](common_args(stage) + extra + (smoke[stage] if args.smoke else []))
         if not done.exists():
-            print(f"[all] {stage} is not finished (stopped for the session); rerun the same command to resume",
-                  flush=True)
+            print(
+                f"[all] {stage} is not finished (stopped for the session); rerun the same command to resume", flush=True
+            )
             sys.exit(EXIT_RESUME)
     results = common.RUNS_DIR / (prefix + "eval") / "results.json"
     if "evaluate" in stages:
-        evaluate.main(["--models", str(models), "--out", str(results), "--threads", str(args.threads)]
-                      + (["--prompts", "2", "--new-tokens", "16", "--heldout-windows", "8"] if args.smoke else []))
+        evaluate.main(
+            ["--models", str(models), "--out", str(results), "--threads", str(args.threads)]
+            + (["--prompts", "2", "--new-tokens", "16", "--heldout-windows", "8"] if args.smoke else [])
+        )
     if "card" in stages:
         model_card.main(["--models", str(models), "--results", str(results)])
     print(f"[all] done in {(time.time() - t0) / 60:.1f} min", flush=True)

@@ -197,7 +197,8 @@ def fmt_eta(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
 
 
-def steps_for_budget(tokens: int | None, minutes: float | None, tokens_per_step: int, measured_tps: float | None) -> int:
+def steps_for_budget(tokens: int | None, minutes: float | None, tokens_per_step: int,
+                     measured_tps: float | None) -> int:
     """Total optimizer steps from a token budget, or from minutes x a measured tokens/s."""
     if tokens is None:
         if minutes is None or measured_tps is None:
@@ -225,9 +226,12 @@ def cpu_bf16_fast() -> bool:
         for _ in range(5):
             x @ y
         return time.perf_counter() - t
+
     ratio = seconds(a, w) / seconds(a.bfloat16(), w.bfloat16())
-    print(f"[training] CPU bf16 matmul speed vs fp32: {ratio:.2f}x -> {'bf16 autocast' if ratio > 1.5 else 'fp32'}",
-          flush=True)
+    print(
+        f"[training] CPU bf16 matmul speed vs fp32: {ratio:.2f}x -> {'bf16 autocast' if ratio > 1.5 else 'fp32'}",
+        flush=True,
+    )
     return ratio > 1.5
 
 

@@ -1,6 +1,6 @@
 """EAGLE-3 head (one decoder "midlayer" fed by fused low/mid/high target states) with training-time test.
 
-Layout and maths follow the public EAGLE-3 heads (shared/FORMATS.md §1a):
+Layout and maths follow the public EAGLE-3 heads (docs/formats.md §1a):
   step 0, row i:  x = fc(cat(h_2, h_mid, h_high))   residual stream ENTERING target layers (2, L//2, L-3), row i
   every step:     a = cat(input_layernorm(embed(tok)), hidden_norm(x))       embedding first, hidden second
                   h = x + o_proj(attn(q, k, v from a));  h = h + mlp(post_attention_layernorm(h))
@@ -71,7 +71,7 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.register_buffer("draft_ids", None if draft_ids is None else draft_ids.long().clone())
         self.lm_head = nn.Linear(spec.hidden_size, self.draft_vocab_size, bias=False)
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.requires_grad:
                 nn.init.ones_(p) if p.dim() == 1 else nn.init.normal_(p, 0.0, 0.02)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from sampling.truncation import apply_top_k_top_p
+from specserve.sampling.truncation import apply_top_k_top_p
 from training import common
 from training.corpus import heldout_functions
 from training.eagle3 import Eagle3Head, aux_layer_ids

@@ -86,8 +86,14 @@ def write_json(path: Path, obj: dict) -> None:
     Path(path).write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def export_llama(model: LlamaLM, out_dir: Path, dtype: torch.dtype = torch.bfloat16, mtp_loss_weight: float | None = None,
-                 training_info: dict | None = None, tokenizer_dir: Path = TOKENIZER_DIR) -> Path:
+def export_llama(
+    model: LlamaLM,
+    out_dir: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    mtp_loss_weight: float | None = None,
+    training_info: dict | None = None,
+    tokenizer_dir: Path = TOKENIZER_DIR,
+) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = hf_llama_config(model.spec)
@@ -116,29 +122,40 @@ def draft_ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.numel()) + d2t.long()
 
 
-def export_eagle3(head, target_spec: LlamaSpec, out_dir: Path, aux_layers: tuple[int, ...],
-                  dtype: torch.dtype = torch.bfloat16, training_info: dict | None = None,
-                  tokenizer_dir: Path = TOKENIZER_DIR) -> Path:
+def export_eagle3(
+    head,
+    target_spec: LlamaSpec,
+    out_dir: Path,
+    aux_layers: tuple[int, ...],
+    dtype: torch.dtype = torch.bfloat16,
+    training_info: dict | None = None,
+    tokenizer_dir: Path = TOKENIZER_DIR,
+) -> Path:
     """head: training.eagle3.Eagle3Head. Its frozen target embedding is not saved (loaders take the target's)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     s = head.spec
     cfg = hf_llama_config(s)
-    cfg.update({
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "num_hidden_layers": 1,
-        "num_nextn_predict_layers": 0,
-        "draft_vocab_size": head.draft_vocab_size,
-        "target_hidden_size": target_spec.hidden_size,
-        "torch_dtype": str(dtype).replace("torch.", ""),
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True},
-    })
+    cfg.update(
+        {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "num_hidden_layers": 1,
+            "num_nextn_predict_layers": 0,
+            "draft_vocab_size": head.draft_vocab_size,
+            "target_hidden_size": target_spec.hidden_size,
+            "torch_dtype": str(dtype).replace("torch.", ""),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True},
+        }
+    )
     del cfg["num_nextn_predict_layers"]
     if training_info:
         cfg["specserve_training"] = training_info
     write_json(out_dir / "config.json", cfg)
-    sd = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()
-          if not k.startswith("embed_tokens") and k != "draft_ids"}
+    sd = {
+        k: v.detach().to(dtype).contiguous()
+        for k, v in head.state_dict().items()
+        if not k.startswith("embed_tokens") and k != "draft_ids"
+    }
     if head.draft_ids is not None:
         sd.update(draft_vocab_tables(head.draft_ids.cpu(), s.vocab_size))
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -149,6 +166,7 @@ def export_eagle3(head, target_spec: LlamaSpec, out_dir: Path, aux_layers: tuple
 def load_llama(ckpt_dir: Path, dtype: torch.dtype = torch.float32) -> LlamaLM:
     """Read a checkpoint written by export_llama back into the training module (MTP included if present)."""
     from safetensors.torch import load_file
+
     cfg = json.loads((Path(ckpt_dir) / "config.json").read_text())
     spec = LlamaSpec(**{k: cfg[k] for k in LlamaSpec.__dataclass_fields__ if k in cfg})
     model = LlamaLM(spec)
@@ -156,7 +174,7 @@ def load_llama(ckpt_dir: Path, dtype: torch.dtype = torch.float32) -> LlamaLM:
     sd = {}
     for name, t in load_file(str(Path(ckpt_dir) / "model.safetensors")).items():
         if name.startswith(f"model.layers.{L}."):
-            name = "mtp." + name[len(f"model.layers.{L}."):]
+            name = "mtp." + name[len(f"model.layers.{L}.") :]
         sd[name] = t.to(dtype)
     if spec.tie_word_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]

@@ -108,14 +108,23 @@ def train_lm(cfg: LMTrainConfig, train_stream=None, heldout_stream=None) -> tupl
         _init_weights(model, cfg.init_from)
         print(f"[{cfg.name}] initialised from {cfg.init_from} ({prior['tokens'] / 1e6:.2f}M tokens before)", flush=True)
     n_params = count_params(model)
-    print(f"[{cfg.name}] params {n_params / 1e6:.2f}M (main {count_params(model.model) / 1e6 + model.lm_head.weight.numel() / 1e6:.2f}M)"
-          f" fwd {flops_per_token(cfg.spec) / 1e6:.1f} MFLOP/token; train stream {len(train_stream)} tokens"
-          f" ({src.steps_per_epoch} steps/epoch at {src.tokens_per_step} tokens/step)"
-          + (f"; resumed at step {st.step}" if loaded else ""), flush=True)
+    print(
+        f"[{cfg.name}] params {n_params / 1e6:.2f}M "
+        f"(main {count_params(model.model) / 1e6 + model.lm_head.weight.numel() / 1e6:.2f}M)"
+        f" fwd {flops_per_token(cfg.spec) / 1e6:.1f} MFLOP/token; train stream {len(train_stream)} tokens"
+        f" ({src.steps_per_epoch} steps/epoch at {src.tokens_per_step} tokens/step)"
+        + (f"; resumed at step {st.step}" if loaded else ""),
+        flush=True,
+    )
     if st.total_steps == 0 and cfg.tokens is not None:
         st.total_steps = common.steps_for_budget(cfg.tokens, None, src.tokens_per_step, None)
-    sched = lambda: common.Schedule(cfg.lr, cfg.warmup_steps, max(st.total_steps, cfg.warmup_steps + 1),  # noqa: E731
-                                    cfg.min_lr_ratio, cfg.decay_frac)
+    sched = lambda: common.Schedule(
+        cfg.lr,
+        cfg.warmup_steps,
+        max(st.total_steps, cfg.warmup_steps + 1),  # noqa: E731
+        cfg.min_lr_ratio,
+        cfg.decay_frac,
+    )
     # Only the training step is compiled (one static shape); held-out evals run the eager model.
     losses_fn = torch.compile(model.losses) if cfg.compile else model.losses
     t_start, start_step = time.time(), st.step
@@ -129,32 +138,51 @@ def train_lm(cfg: LMTrainConfig, train_stream=None, heldout_stream=None) -> tupl
         st.tokens += src.tokens_per_step
         st.train_seconds += dt
         ema = main if ema is None else 0.95 * ema + 0.05 * main
-        if st.total_steps == 0:   # --minutes: probe throughput over steps 3..8, then freeze the schedule
+        if st.total_steps == 0:  # --minutes: probe throughput over steps 3..8, then freeze the schedule
             if st.step == 3:
                 probe_t0 = (time.time(), st.tokens)
             elif st.step == 8:
                 tps = (st.tokens - probe_t0[1]) / (time.time() - probe_t0[0])
                 st.total_steps = common.steps_for_budget(None, cfg.minutes, src.tokens_per_step, tps)
-                print(f"[{cfg.name}] probe {tps:.0f} tok/s -> {st.total_steps} steps"
-                      f" ({st.total_steps * src.tokens_per_step / 1e6:.2f}M tokens)", flush=True)
+                print(
+                    f"[{cfg.name}] probe {tps:.0f} tok/s -> {st.total_steps} steps"
+                    f" ({st.total_steps * src.tokens_per_step / 1e6:.2f}M tokens)",
+                    flush=True,
+                )
         tps = st.tokens / max(st.train_seconds, 1e-9)
         remaining = (st.total_steps - st.step) * src.tokens_per_step / tps if st.total_steps else 0
         if st.step % cfg.log_every == 0:
-            rec = {"step": st.step, "tokens": st.tokens, "epoch": st.step / src.steps_per_epoch, "loss": main,
-                   "loss_ema": ema, "mtp_loss": mtp, "lr": sched().lr(st.step), "tok_per_s": tps,
-                   "train_seconds": st.train_seconds}
-            log(rec, f"[{cfg.name}] step {st.step}/{st.total_steps} ep {rec['epoch']:.2f} tok {st.tokens / 1e6:.2f}M"
-                     f" loss {ema:.3f}" + (f" mtp {mtp:.3f}" if mtp is not None else "")
-                     + f" lr {rec['lr']:.2e} {tps:.0f} tok/s ETA {common.fmt_eta(remaining)}")
+            rec = {
+                "step": st.step,
+                "tokens": st.tokens,
+                "epoch": st.step / src.steps_per_epoch,
+                "loss": main,
+                "loss_ema": ema,
+                "mtp_loss": mtp,
+                "lr": sched().lr(st.step),
+                "tok_per_s": tps,
+                "train_seconds": st.train_seconds,
+            }
+            log(
+                rec,
+                f"[{cfg.name}] step {st.step}/{st.total_steps} ep {rec['epoch']:.2f} tok {st.tokens / 1e6:.2f}M"
+                f" loss {ema:.3f}"
+                + (f" mtp {mtp:.3f}" if mtp is not None else "")
+                + f" lr {rec['lr']:.2e} {tps:.0f} tok/s ETA {common.fmt_eta(remaining)}",
+            )
         done = st.total_steps and st.step >= st.total_steps
         if time.time() - last_eval > cfg.eval_every_s or done:
             r = dict(evaluate(model, ev), step=st.step, tokens=st.tokens, train_seconds=st.train_seconds)
             st.history.append(r)
-            log(dict(r, kind="eval"), f"[{cfg.name}] EVAL step {st.step} tok {st.tokens / 1e6:.2f}M held-out "
-                f"{r['heldout_loss']:.4f}" + (f" mtp {r['heldout_mtp_loss']:.4f}" if "heldout_mtp_loss" in r else ""))
+            log(
+                dict(r, kind="eval"),
+                f"[{cfg.name}] EVAL step {st.step} tok {st.tokens / 1e6:.2f}M held-out "
+                f"{r['heldout_loss']:.4f}" + (f" mtp {r['heldout_mtp_loss']:.4f}" if "heldout_mtp_loss" in r else ""),
+            )
             last_eval = time.time()
-        cut = ((cfg.stop_after_minutes is not None and time.time() - t_start > cfg.stop_after_minutes * 60)
-               or (cfg.stop_after_steps is not None and st.step - start_step >= cfg.stop_after_steps))
+        cut = (cfg.stop_after_minutes is not None and time.time() - t_start > cfg.stop_after_minutes * 60) or (
+            cfg.stop_after_steps is not None and st.step - start_step >= cfg.stop_after_steps
+        )
         if time.time() - last_ckpt > cfg.ckpt_every_s or done or cut:
             common.save_checkpoint(ckpt, model, opt, st, {"config": _cfg_dict(cfg)})
             last_ckpt = time.time()
@@ -162,23 +190,41 @@ def train_lm(cfg: LMTrainConfig, train_stream=None, heldout_stream=None) -> tupl
             print(f"[{cfg.name}] stopped at step {st.step} (--stop-after-*); rerun to resume", flush=True)
             return model, {"finished": False, "state": st}
     final = evaluate(model, common.eval_windows(heldout_stream, cfg.eval_seq_len, cfg.final_eval_windows))
-    summary = {"finished": True, "params": n_params, "tokens": st.tokens, "steps": st.step,
-               "epochs": st.step / src.steps_per_epoch, "train_seconds": round(st.train_seconds),
-               "tok_per_s": round(st.tokens / max(st.train_seconds, 1e-9)), "precision": common.precision(cfg.device),
-               **final}
+    summary = {
+        "finished": True,
+        "params": n_params,
+        "tokens": st.tokens,
+        "steps": st.step,
+        "epochs": st.step / src.steps_per_epoch,
+        "train_seconds": round(st.train_seconds),
+        "tok_per_s": round(st.tokens / max(st.train_seconds, 1e-9)),
+        "precision": common.precision(cfg.device),
+        **final,
+    }
     log(dict(summary, kind="final"), f"[{cfg.name}] FINAL {summary}")
     if cfg.out_dir is not None:
         info = {k: summary[k] for k in ("tokens", "epochs", "heldout_loss") if k in summary}
-        info.update({"lr": cfg.lr, "batch": [cfg.batch_size, cfg.seq_len], "seed": cfg.seed,
-                     "precision": summary["precision"]})
-        if cfg.init_from:                # cumulative over stages, with each stage listed
+        info.update(
+            {"lr": cfg.lr, "batch": [cfg.batch_size, cfg.seq_len], "seed": cfg.seed, "precision": summary["precision"]}
+        )
+        if cfg.init_from:  # cumulative over stages, with each stage listed
             stages = prior.get("stages") or [{"tokens": prior["tokens"], "epochs": prior["epochs"]}]
-            info["stages"] = stages + [{"tokens": summary["tokens"], "epochs": summary["epochs"], "lr": cfg.lr,
-                                        "precision": summary["precision"]}]
+            info["stages"] = stages + [
+                {
+                    "tokens": summary["tokens"],
+                    "epochs": summary["epochs"],
+                    "lr": cfg.lr,
+                    "precision": summary["precision"],
+                }
+            ]
             info["tokens"] = prior["tokens"] + summary["tokens"]
             info["epochs"] = prior["epochs"] + summary["epochs"]
-        export_llama(model.cpu(), cfg.out_dir, mtp_loss_weight=cfg.mtp_weight if cfg.spec.num_nextn_predict_layers else None,
-                     training_info=info)
+        export_llama(
+            model.cpu(),
+            cfg.out_dir,
+            mtp_loss_weight=cfg.mtp_weight if cfg.spec.num_nextn_predict_layers else None,
+            training_info=info,
+        )
         print(f"[{cfg.name}] exported {cfg.out_dir}", flush=True)
     return model, summary
 
@@ -186,6 +232,7 @@ def train_lm(cfg: LMTrainConfig, train_stream=None, heldout_stream=None) -> tupl
 def _init_weights(model: LlamaLM, source: Path) -> None:
     """Weights from a run checkpoint (runs/<name>/ckpt.pt: fp32) or an exported model directory."""
     from training.export import load_llama
+
     source = Path(source)
     if source.is_file():
         model.load_state_dict(torch.load(source, map_location="cpu", weights_only=False)["model"])
@@ -196,6 +243,7 @@ def _init_weights(model: LlamaLM, source: Path) -> None:
 def _prior_training(source: Path, stream_len: int) -> dict:
     """Tokens and epochs the source weights were trained on (for cumulative figures in the export)."""
     import json
+
     source = Path(source)
     if source.is_file():
         tokens = torch.load(source, map_location="cpu", weights_only=False)["state"]["tokens"]
@@ -215,32 +263,73 @@ def add_common_args(ap: argparse.ArgumentParser, defaults: LMTrainConfig) -> Non
     ap.add_argument("--name", default=defaults.name)
     ap.add_argument("--out", type=Path, default=defaults.out_dir)
     ap.add_argument("--no-export", action="store_true")
-    for flag, typ in (("batch_size", int), ("seq_len", int), ("lr", float), ("min_lr_ratio", float),
-                      ("decay_frac", float),
-                      ("warmup_steps", int), ("weight_decay", float), ("grad_clip", float), ("mtp_weight", float),
-                      ("threads", int), ("seed", int), ("eval_every_s", float), ("eval_windows", int),
-                      ("ckpt_every_s", float), ("log_every", int), ("mtp_row_stride", int)):
+    for flag, typ in (
+        ("batch_size", int),
+        ("seq_len", int),
+        ("lr", float),
+        ("min_lr_ratio", float),
+        ("decay_frac", float),
+        ("warmup_steps", int),
+        ("weight_decay", float),
+        ("grad_clip", float),
+        ("mtp_weight", float),
+        ("threads", int),
+        ("seed", int),
+        ("eval_every_s", float),
+        ("eval_windows", int),
+        ("ckpt_every_s", float),
+        ("log_every", int),
+        ("mtp_row_stride", int),
+    ):
         ap.add_argument("--" + flag.replace("_", "-"), type=typ, default=getattr(defaults, flag))
     ap.add_argument("--tokens", type=float, default=None, help="token budget (e.g. 5e6)")
     ap.add_argument("--minutes", type=float, default=None, help="time budget; converted to tokens by a probe")
     ap.add_argument("--stop-after-minutes", type=float, default=None, help="hard stop for this invocation")
     ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
     ap.add_argument("--final-eval-windows", type=int, default=None)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda; bf16 autocast on cuda and on CPUs with fast bf16 "
-                    "(probed; SPECSERVE_TRAIN_PRECISION=fp32|bf16 forces it), else fp32")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda; bf16 autocast on cuda and on CPUs with fast bf16 "
+        "(probed; SPECSERVE_TRAIN_PRECISION=fp32|bf16 forces it), else fp32",
+    )
     ap.add_argument("--compile", action="store_true", help="torch.compile the training step (first step ~2 min)")
-    ap.add_argument("--init-from", type=Path, default=None,
-                    help="start a new training stage (own --name, fresh optimizer and schedule) from a run's "
-                         "ckpt.pt or an exported model directory; the export reports cumulative tokens")
+    ap.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start a new training stage (own --name, fresh optimizer and schedule) from a run's "
+        "ckpt.pt or an exported model directory; the export reports cumulative tokens",
+    )
 
 
 def config_from_args(args, spec: LlamaSpec) -> LMTrainConfig:
     return LMTrainConfig(
-        name=args.name, spec=spec, out_dir=None if args.no_export else args.out, batch_size=args.batch_size,
-        seq_len=args.seq_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio, decay_frac=args.decay_frac, warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay, grad_clip=args.grad_clip, mtp_weight=args.mtp_weight,
-        tokens=int(args.tokens) if args.tokens else None, minutes=args.minutes,
-        stop_after_minutes=args.stop_after_minutes, threads=args.threads, seed=args.seed,
-        eval_every_s=args.eval_every_s, eval_windows=args.eval_windows, ckpt_every_s=args.ckpt_every_s,
-        final_eval_windows=args.final_eval_windows, fresh=args.fresh, log_every=args.log_every,
-        mtp_row_stride=args.mtp_row_stride, device=args.device, compile=args.compile, init_from=args.init_from)
+        name=args.name,
+        spec=spec,
+        out_dir=None if args.no_export else args.out,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        min_lr_ratio=args.min_lr_ratio,
+        decay_frac=args.decay_frac,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        mtp_weight=args.mtp_weight,
+        tokens=int(args.tokens) if args.tokens else None,
+        minutes=args.minutes,
+        stop_after_minutes=args.stop_after_minutes,
+        threads=args.threads,
+        seed=args.seed,
+        eval_every_s=args.eval_every_s,
+        eval_windows=args.eval_windows,
+        ckpt_every_s=args.ckpt_every_s,
+        final_eval_windows=args.final_eval_windows,
+        fresh=args.fresh,
+        log_every=args.log_every,
+        mtp_row_stride=args.mtp_row_stride,
+        device=args.device,
+        compile=args.compile,
+        init_from=args.init_from,
+    )

@@ -1,7 +1,7 @@
 """Derive a reduced-draft-vocabulary EAGLE-3 head from a full-vocabulary one, without retraining.
 
 Keeps the lm_head rows of the N most frequent ids of the training split and writes the public `d2t`
-offset table and `t2d` mask (shared/FORMATS.md), so the head scores N ids per step instead of V:
+offset table and `t2d` mask (docs/formats.md), so the head scores N ids per step instead of V:
 
     python -m training.restrict_eagle3 --head models/eagle3 --draft-vocab 2048 --out /tmp/eagle3-2048
     python -m loadtest.bench_spec_core --eagle3 /tmp/eagle3-2048 ...      # compare tau and c

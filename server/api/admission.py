@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from server.api.errors import APIError
-from server.api.limits import Limits
+from specserve.server.api.errors import APIError
+from specserve.server.api.limits import Limits
 
 RETRY_AFTER_S = 1
 

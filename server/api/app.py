@@ -16,15 +16,15 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server.api.errors import APIError, install_error_handlers, without_422
-from server.api.guard import RequestGuard
-from server.api.lifecycle import Lifecycle, LifecycleConfig
-from server.api.limits import Limits
-from server.api.protocol import RequestModels
-from server.api.routes import build_router
-from server.api.state import ServerState
-from server.config import EngineConfig, ServerConfig
-from server.metrics import Metrics, instrument_app
+from specserve.server.api.errors import APIError, install_error_handlers, without_422
+from specserve.server.api.guard import RequestGuard
+from specserve.server.api.lifecycle import Lifecycle, LifecycleConfig
+from specserve.server.api.limits import Limits
+from specserve.server.api.protocol import RequestModels
+from specserve.server.api.routes import build_router
+from specserve.server.api.state import ServerState
+from specserve.server.config import EngineConfig, ServerConfig
+from specserve.server.metrics import Metrics, instrument_app
 
 logger = logging.getLogger("specserve.api")
 
@@ -33,9 +33,9 @@ EngineFactory = Callable[..., Any]        # (EngineConfig, on_step=...) -> Async
 
 def _load_engine(cfg: EngineConfig, on_step: Callable[..., None]) -> Any:
     if cfg.engine_process:
-        from server.engine.process_engine import ProcessEngine
+        from specserve.server.engine.process_engine import ProcessEngine
         return ProcessEngine.from_config(cfg, on_step=on_step)
-    from server.engine.async_engine import AsyncEngine
+    from specserve.server.engine.async_engine import AsyncEngine
     return AsyncEngine.from_config(cfg, on_step=on_step)
 
 

@@ -14,16 +14,16 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from server.api.errors import APIError, bad_request
-from server.api.generation import ChoiceState, until_disconnect
-from server.api.logprobs import chat_logprobs
-from server.api.params import (
+from specserve.server.api.errors import APIError, bad_request
+from specserve.server.api.generation import ChoiceState, until_disconnect
+from specserve.server.api.logprobs import chat_logprobs
+from specserve.server.api.params import (
     check_token_ids,
     resolve_max_tokens,
     sampling_params,
 )
-from server.api.protocol import ChatCompletionRequest
-from server.api.responses import (
+from specserve.server.api.protocol import ChatCompletionRequest
+from specserve.server.api.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -32,9 +32,9 @@ from server.api.responses import (
     ChatLogprobs,
     ChatResponseMessage,
 )
-from server.api.serving import Call, Serving
-from server.api.streaming import primed, sse_response
-from server.engine.outputs import RequestOutput
+from specserve.server.api.serving import Call, Serving
+from specserve.server.api.streaming import primed, sse_response
+from specserve.server.engine.outputs import RequestOutput
 
 
 class ChatServing(Serving):

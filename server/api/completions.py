@@ -15,20 +15,20 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from server.api.errors import APIError, bad_request
-from server.api.generation import ChoiceState, until_disconnect
-from server.api.logprobs import CompletionLogprobsFormatter, merge
-from server.api.params import (
+from specserve.server.api.errors import APIError, bad_request
+from specserve.server.api.generation import ChoiceState, until_disconnect
+from specserve.server.api.logprobs import CompletionLogprobsFormatter, merge
+from specserve.server.api.params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     check_token_ids,
     resolve_max_tokens,
     sampling_params,
 )
-from server.api.protocol import CompletionRequest
-from server.api.responses import CompletionChoice, CompletionChunk, CompletionResponse
-from server.api.serving import Call, Serving
-from server.api.streaming import primed, sse_response
-from server.engine.outputs import RequestOutput
+from specserve.server.api.protocol import CompletionRequest
+from specserve.server.api.responses import CompletionChoice, CompletionChunk, CompletionResponse
+from specserve.server.api.serving import Call, Serving
+from specserve.server.api.streaming import primed, sse_response
+from specserve.server.engine.outputs import RequestOutput
 
 
 @dataclass

@@ -21,12 +21,12 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from sampling.outputs import TokenLogprob
-from sampling.params import SamplingParams
-from server.api.errors import APIError, bad_request
-from server.engine.errors import ContextLengthError
-from server.engine.outputs import RequestOutput
-from speculators.base import SpecParams, SpecStats
+from specserve.sampling.outputs import TokenLogprob
+from specserve.sampling.params import SamplingParams
+from specserve.server.api.errors import APIError, bad_request
+from specserve.server.engine.errors import ContextLengthError
+from specserve.server.engine.outputs import RequestOutput
+from specserve.speculators.base import SpecParams, SpecStats
 
 T = TypeVar("T")
 

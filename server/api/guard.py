@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.errors import APIError, internal_error
+from specserve.server.api.errors import APIError, internal_error
 
 logger = logging.getLogger("specserve.api")
 

@@ -19,7 +19,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.api.errors import APIError
+from specserve.server.api.errors import APIError
 
 logger = logging.getLogger("specserve.api")
 

@@ -16,8 +16,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from sampling.outputs import TokenLogprob
-from server.api.responses import (
+from specserve.sampling.outputs import TokenLogprob
+from specserve.server.api.responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sampling.params import SamplingParams
-from server.api.errors import bad_request
-from server.api.protocol import ChatCompletionRequest, CompletionRequest
-from speculators.base import SpecParams
+from specserve.sampling.params import SamplingParams
+from specserve.server.api.errors import bad_request
+from specserve.server.api.protocol import ChatCompletionRequest, CompletionRequest
+from specserve.speculators.base import SpecParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _INT64 = 2**64

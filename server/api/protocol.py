@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from server.api.limits import Limits
+from specserve.server.api.limits import Limits
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

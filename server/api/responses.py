@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from speculators.base import SpecParams, SpecStats
+from specserve.speculators.base import SpecParams, SpecStats
 
 
 class PromptTokensDetails(BaseModel):

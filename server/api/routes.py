@@ -12,18 +12,18 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from server.api.chat import ChatServing
-from server.api.completions import CompletionServing
-from server.api.errors import (
+from specserve.server.api.chat import ChatServing
+from specserve.server.api.completions import CompletionServing
+from specserve.server.api.errors import (
     ERROR_RESPONSES,
     GENERATION_RESPONSES,
     PROBE_RESPONSES,
     APIError,
     ProbeStatus,
 )
-from server.api.responses import ChatCompletionResponse, CompletionResponse
-from server.api.state import ServerState
-from server.metrics import CONTENT_TYPE
+from specserve.server.api.responses import ChatCompletionResponse, CompletionResponse
+from specserve.server.api.state import ServerState
+from specserve.server.metrics import CONTENT_TYPE
 
 
 def api_key_check(api_key: str | None) -> Any:

@@ -17,19 +17,19 @@ from typing import Any
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from sampling.params import SamplingParams
-from server.api.errors import bad_request
-from server.api.generation import ChoiceState, SubRequest, collect, fan_in
-from server.api.params import speculation
-from server.api.protocol import ChatCompletionRequest, CompletionRequest
-from server.api.responses import (
+from specserve.sampling.params import SamplingParams
+from specserve.server.api.errors import bad_request
+from specserve.server.api.generation import ChoiceState, SubRequest, collect, fan_in
+from specserve.server.api.params import speculation
+from specserve.server.api.protocol import ChatCompletionRequest, CompletionRequest
+from specserve.server.api.responses import (
     CompletionTokensDetails,
     PromptTokensDetails,
     SpeculationInfo,
     Usage,
 )
-from server.api.state import ServerState
-from speculators.base import SpecParams
+from specserve.server.api.state import ServerState
+from specserve.speculators.base import SpecParams
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
 

@@ -5,13 +5,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.api.admission import Admission
-from server.api.errors import APIError
-from server.api.lifecycle import Lifecycle, LifecycleConfig
-from server.api.limits import Limits
-from server.api.protocol import RequestModels
-from server.config import EngineConfig, ServerConfig
-from server.metrics import Metrics
+from specserve.server.api.admission import Admission
+from specserve.server.api.errors import APIError
+from specserve.server.api.lifecycle import Lifecycle, LifecycleConfig
+from specserve.server.api.limits import Limits
+from specserve.server.api.protocol import RequestModels
+from specserve.server.config import EngineConfig, ServerConfig
+from specserve.server.metrics import Metrics
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ServerState:
     metrics: Metrics
     lifecycle: Lifecycle = field(default_factory=lambda: Lifecycle(LifecycleConfig()))
     admission: Admission | None = None
-    engine: Any | None = None          # server.engine.async_engine.AsyncEngine once loaded
+    engine: Any | None = None          # specserve.server.engine.async_engine.AsyncEngine once loaded
     status: str = "loading"               # loading | ready | failed
     error: str | None = None           # why loading failed
     created: int = field(default_factory=lambda: int(time.time()))

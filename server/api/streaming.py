@@ -20,7 +20,7 @@ import anyio
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.api.errors import APIError
+from specserve.server.api.errors import APIError
 
 logger = logging.getLogger("specserve.api")
 T = TypeVar("T")

@@ -22,13 +22,14 @@ import queue
 import threading
 from collections.abc import Callable
 
-from sampling.params import SamplingParams
-from server.config import EngineConfig
-from server.engine.engine import Engine
-from server.engine.frontend import EngineFrontend
-from server.engine.omp_pool import release_thread_pool
-from server.engine.stats import StepStats
-from speculators.base import SpecParams
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig
+from specserve.server.engine.engine import Engine
+from specserve.server.engine.frontend import EngineFrontend
+from specserve.server.engine.messages import Abort, AddRequest
+from specserve.server.engine.omp_pool import release_thread_pool
+from specserve.server.engine.stats import StepStats
+from specserve.speculators.base import SpecParams
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class AsyncEngine(EngineFrontend):
     @classmethod
     def from_config(cls, cfg: EngineConfig, on_step: Callable[[StepStats], None] | None = None
                     ) -> AsyncEngine:
-        from server.engine.builder import build_engine
+        from specserve.server.engine.builder import build_engine
         engine, name = build_engine(cfg)
         return cls(engine, cfg, name, on_step)
 
@@ -88,7 +89,7 @@ class AsyncEngine(EngineFrontend):
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 10)
 
-    def _send(self, cmd: tuple) -> None:
+    def _send(self, cmd: AddRequest | Abort) -> None:
         self._commands.put(cmd)
         self._wake.set()
 
@@ -119,20 +120,21 @@ class AsyncEngine(EngineFrontend):
             apply_command(self.engine, cmd, self._deliver_one)
 
 
-def apply_command(engine: Engine, cmd: tuple, reply: Callable[[str, object], None]) -> None:
-    """Carry out one front-end command ("add" or "abort") on the engine; `reply(request_id, item)` hands a
-    request its refusal (an exception) or its final output out of band."""
-    if cmd[0] == "add":
-        _, rid, prompt, params, spec, pred, plp = cmd
+def apply_command(engine: Engine, cmd: AddRequest | Abort, reply: Callable[[str, object], None]) -> None:
+    """Carry out one front-end command (AddRequest or Abort) on the engine; `reply(request_id, item)` hands
+    a request its refusal (an exception) or its final output out of band."""
+    if isinstance(cmd, AddRequest):
+        rid = cmd.request_id
         try:
-            engine.add_request(rid, prompt, params, spec, pred, plp)
+            engine.add_request(rid, cmd.prompt_token_ids, cmd.params, cmd.spec, cmd.prediction_token_ids,
+                               cmd.prompt_logprobs)
         except ValueError as exc:
             reply(rid, exc)
         except Exception as exc:   # one request's bug must not kill the engine
             log.exception("adding request %s failed", rid)
             engine.abort(rid)          # undo whatever part of the add happened
             reply(rid, exc)
-    elif cmd[0] == "abort":
-        out = engine.abort(cmd[1])
+    elif isinstance(cmd, Abort):
+        out = engine.abort(cmd.request_id)
         if out is not None:
-            reply(cmd[1], out)
+            reply(cmd.request_id, out)

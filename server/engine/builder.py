@@ -7,23 +7,20 @@ from pathlib import Path
 
 import torch
 
-from server.config import EngineConfig
-from server.engine.block_manager import BlockManager
-from server.engine.engine import Engine
-from server.engine.kv_cache import cache_dtype, kv_cache_bytes_per_block
-from server.engine.model_runner import ModelRunner
-from server.engine.scheduler import Scheduler
-from server.engine.spec_dispatch import SpecDispatcher
-from server.engine.spec_policy import calibrated_policy
-from server.engine.tokenizer import Tokenizer
+from specserve.server.config import EngineConfig
+from specserve.server.engine.engine import Engine
+from specserve.server.engine.model_runner import ModelRunner
+from specserve.server.engine.scheduler import Scheduler
+from specserve.server.engine.spec_dispatch import SpecDispatcher
+from specserve.server.engine.spec_policy import calibrated_policy
+from specserve.server.engine.tokenizer import Tokenizer
+from specserve.server.kv.block_manager import BlockManager
+from specserve.server.kv.kv_cache import cache_dtype, kv_cache_bytes_per_block
+from specserve.server.models import embedded
+from specserve.speculators import registry
+from specserve.speculators.base import BuildContext
 
 log = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-EMBEDDED_TARGET = REPO_ROOT / "models" / "target"
-EMBEDDED_TOKENIZER = REPO_ROOT / "models" / "tokenizer"
-EMBEDDED_DRAFT = REPO_ROOT / "models" / "draft"
-EMBEDDED_EAGLE3 = REPO_ROOT / "models" / "eagle3"
 
 # The stand-in default until the embedded family ships: ~30M-parameter Llama, random weights.
 RANDOM_DEFAULT = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512,
@@ -61,15 +58,16 @@ def resolve_model_dir(cfg: EngineConfig) -> tuple[Path | None, Path]:
         if not (path / "config.json").is_file():
             raise ValueError(f"--model {path}: no config.json there (expected a HF-layout directory)")
         return path, path
-    if (EMBEDDED_TARGET / "config.json").is_file():
-        return EMBEDDED_TARGET, EMBEDDED_TARGET
-    return None, EMBEDDED_TOKENIZER
+    family = embedded.require(cfg.models_dir)
+    if family.has("target"):
+        return family.target, family.target
+    return None, family.tokenizer
 
 
 def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
-    from sampling.rejection import RejectionSampler
-    from server.models.config import ModelConfig
-    from server.models.loader import build_random_model, load_model
+    from specserve.sampling.rejection import RejectionSampler
+    from specserve.server.models.config import ModelConfig
+    from specserve.server.models.loader import build_random_model, load_model
 
     cfg.validate()
     if cfg.num_threads:
@@ -82,8 +80,8 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
         mcfg = ModelConfig.from_dict({**RANDOM_DEFAULT, "vocab_size": tokenizer.vocab_size})
         model = build_random_model(mcfg, seed=cfg.seed, dtype=dtype, device=device)
         name = "specserve-random-llama"
-        log.warning("no --model and no embedded model in %s: serving a ~30M Llama with RANDOM weights "
-                    "(text will be gibberish)", EMBEDDED_TARGET)
+        log.warning("no --model and no embedded target in %s: serving a ~30M Llama with RANDOM weights "
+                    "(text will be gibberish)", tok_dir.parent)
     else:
         model, mcfg = load_model(str(model_dir), dtype=dtype, device=device)
         name = model_dir.name
@@ -94,7 +92,8 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     # One budget for everyone: each target block comes with one block in every drafter's own cache.
     kv_dtype = cache_dtype(dtype, device)
     target_bpb = kv_cache_bytes_per_block(mcfg, cfg.block_size, kv_dtype)
-    drafter_bpb = drafter_bytes_per_block(cfg, model_dir, mcfg, cfg.block_size, kv_dtype, dtype)
+    ctx = build_context(cfg, model_dir, tok_dir, mcfg, kv_dtype, dtype)
+    drafter_bpb = registry.kv_bytes_per_block(ctx)
     num_blocks = budget // (target_bpb + drafter_bpb)
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-memory-gb {cfg.kv_cache_memory_gb} holds no KV block "
@@ -106,9 +105,10 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     bm = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
     sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len)
     sampler = RejectionSampler(eos_token_ids=tokenizer.eos_token_ids)
-    spec = SpecDispatcher(build_speculators(cfg, runner, tokenizer))
-    runner.aux_layer_ids = tuple(sorted({i for sp in spec.speculators.values()
-                                         for i in getattr(sp, "aux_layer_ids", ())}))
+    ctx.target = runner
+    spec = SpecDispatcher(registry.build_all(ctx))
+    runner.aux_layer_ids = tuple(sorted({i for sp in spec.speculators.values() for i in sp.aux_layer_ids}))
+    check_default_speculation(cfg, spec)
     if cfg.compile:
         compile_models(runner, spec.speculators)
     if cfg.speculation_policy == "goodput":     # timed with the aux taps on, before any request exists
@@ -116,11 +116,29 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     return Engine(runner, sched, tokenizer, sampler, spec, max_len), cfg.served_model_name or name
 
 
+def check_default_speculation(cfg: EngineConfig, spec: SpecDispatcher) -> None:
+    """The server default (`--speculation`) passes the checks a request's `speculation` passes, at start-up:
+    a default the engine cannot serve would otherwise fail inside a step, for every request without one."""
+    default = cfg.speculation
+    if default.method not in spec.methods:
+        entry = registry.BY_NAME.get(default.method)
+        needs = f" ({default.method} needs {entry.needs})" if entry else ""
+        raise ValueError(f"--speculation: method {default.method!r} is not loaded on this server{needs}; "
+                         f"loaded: {spec.methods}")
+    if default.method == "prediction":
+        raise ValueError("--speculation: 'prediction' drafts from a request's own `prediction` field and cannot "
+                         "be the default; requests that send a `prediction` use it without asking")
+    try:
+        spec.validate(default)
+    except ValueError as exc:
+        raise ValueError(f"--speculation: {exc}") from None
+
+
 def compile_models(runner: ModelRunner, speculators: dict) -> None:
     """torch.compile the target's (and a draft model's) layer stack and compile the graphs now, before
     any request exists (server/models/compiled.py)."""
-    from server.models.compiled import warm_up
-    from server.models.latency_tuning import is_latency_tuned
+    from specserve.server.models.compiled import warm_up
+    from specserve.server.models.latency_tuning import is_latency_tuned
     start = time.perf_counter()
     models = [(runner.model, runner.kv_caches, runner.aux_layer_ids)]
     if "draft" in speculators:
@@ -142,68 +160,28 @@ def compile_models(runner: ModelRunner, speculators: dict) -> None:
     log.info("compiled the layer stacks of %d model(s) in %.1f s", len(models), time.perf_counter() - start)
 
 
-def build_speculators(cfg: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer) -> dict:
-    """method -> Speculator for everything this server can offer (grows with speculators/).
+def build_context(cfg: EngineConfig, model_dir: Path | None, tok_dir: Path, mcfg, kv_dtype: torch.dtype,
+                  dtype: torch.dtype) -> BuildContext:
+    """What the registry's methods need to decide availability, size their memory and load (no target yet).
 
     draft: --draft-model (refused unless it shares the target's vocabulary); eagle3: --eagle3;
     mtp: automatic when the target checkpoint declares num_nextn_predict_layers > 0; hybrid (n-gram lookup,
     else a model drafter: speculators/hybrid.py) whenever one of those is loaded. Serving the embedded
     target (no --model), the embedded draft and EAGLE-3 head come along unless flags name others.
-    Each model-based drafter owns a KV cache with the target's block count (speculators/draft_kv.py);
-    build_engine sizes the target's count so that all caches together fit --kv-cache-memory-gb.
     """
-    from speculators.ngram import NgramSpeculator
-    from speculators.prediction import PredictionSpeculator
-    del tokenizer
-    specs: dict = {"ngram": NgramSpeculator(), "prediction": PredictionSpeculator()}
-    model_dir, tok_dir = resolve_model_dir(cfg)
     draft_dir, eagle3_dir = resolve_drafters(cfg, model_dir)
-    if draft_dir is not None:
-        from speculators.draft_model import DraftModelSpeculator
-        specs["draft"] = DraftModelSpeculator.load(
-            draft_dir, runner.cfg, tok_dir, runner.kv_caches[0][0].shape[0], runner.block_size,
-            runner.dtype, runner.device)
-    if eagle3_dir is not None:
-        from speculators.eagle3 import Eagle3Speculator
-        specs["eagle3"] = Eagle3Speculator.load(eagle3_dir, runner, stash_states=cfg.enable_prefix_caching)
-    if model_dir is not None and runner.cfg.num_nextn_predict_layers > 0:
-        from speculators.mtp import MtpSpeculator
-        specs["mtp"] = MtpSpeculator.load(model_dir, runner, stash_states=cfg.enable_prefix_caching)
-    from speculators.hybrid import HybridSpeculator
-    hybrid = HybridSpeculator.over(specs)          # n-gram first, the first loaded model drafter elsewhere
-    if hybrid is not None:
-        specs["hybrid"] = hybrid
-    return specs
-
+    return BuildContext(target_cfg=mcfg, model_dir=model_dir, tokenizer_dir=tok_dir, draft_dir=draft_dir,
+                        eagle3_dir=eagle3_dir, block_size=cfg.block_size, kv_dtype=kv_dtype, model_dtype=dtype,
+                        stash_states=cfg.enable_prefix_caching)
 
 
 def resolve_drafters(cfg: EngineConfig, model_dir: Path | None) -> tuple[str | None, str | None]:
     """(draft model dir, EAGLE-3 dir): the flags, else the embedded family's when serving its target."""
     draft_dir, eagle3_dir = cfg.draft_model, cfg.eagle3
     if cfg.model is None and model_dir is not None:
-        if draft_dir is None and (EMBEDDED_DRAFT / "config.json").is_file():
-            draft_dir = str(EMBEDDED_DRAFT)
-        if eagle3_dir is None and (EMBEDDED_EAGLE3 / "config.json").is_file():
-            eagle3_dir = str(EMBEDDED_EAGLE3)
+        family = embedded.require(cfg.models_dir)
+        if draft_dir is None and family.has("draft"):
+            draft_dir = str(family.draft)
+        if eagle3_dir is None and family.has("eagle3"):
+            eagle3_dir = str(family.eagle3)
     return draft_dir, eagle3_dir
-
-
-def drafter_bytes_per_block(cfg: EngineConfig, model_dir: Path | None, mcfg, block_size: int,
-                            dtype: torch.dtype, model_dtype: torch.dtype) -> int:
-    """Bytes the drafters hold per target block: a draft model's KV layers, one KV layer per head layer,
-    and with prefix caching each head's state stash (speculators/state_stash.py).
-    dtype: the KV cache dtype (kv_cache.cache_dtype); model_dtype: the activations' (the stash's)."""
-    from server.models.config import load_config
-    from speculators.state_stash import TargetStateStash
-    per_layer = kv_cache_bytes_per_block(mcfg, block_size, dtype) // mcfg.num_hidden_layers
-    stash = TargetStateStash.bytes_per_block(mcfg.hidden_size, block_size, model_dtype)
-    draft_dir, eagle3_dir = resolve_drafters(cfg, model_dir)
-    total = 0
-    if draft_dir is not None:
-        total += kv_cache_bytes_per_block(load_config(draft_dir), block_size, dtype)
-    if eagle3_dir is not None:
-        # an EAGLE-3 head's layer is as wide as the target here (its config may say otherwise: a few %)
-        total += per_layer + (stash if cfg.enable_prefix_caching else 0)
-    if model_dir is not None and mcfg.num_nextn_predict_layers > 0:
-        total += per_layer * mcfg.num_nextn_predict_layers + (stash if cfg.enable_prefix_caching else 0)
-    return total

@@ -17,7 +17,7 @@ cuts the text to "x = 1" and the request finishes with stop_reason "\\n\\n".
 """
 from __future__ import annotations
 
-from server.engine.tokenizer import Tokenizer
+from specserve.server.engine.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -10,23 +10,23 @@ from dataclasses import dataclass
 
 import torch
 
-from sampling.outputs import SeqSamplingInput, SeqSamplingOutput
-from sampling.params import SamplingParams
-from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.model_runner import ModelRunner, StepResult
-from server.engine.output_builder import (
+from specserve.sampling.outputs import SeqSamplingInput, SeqSamplingOutput
+from specserve.sampling.params import SamplingParams
+from specserve.server.engine.detokenizer import IncrementalDetokenizer
+from specserve.server.engine.model_runner import ModelRunner, StepResult
+from specserve.server.engine.output_builder import (
     build_output,
     prompt_logprobs_rows,
     request_timings,
 )
-from server.engine.outputs import RequestOutput
-from server.engine.request import Request
-from server.engine.request_checks import RequestChecks
-from server.engine.scheduler import ScheduledSeq, Scheduler
-from server.engine.spec_dispatch import SpecDispatcher
-from server.engine.stats import StepStats
-from server.engine.tokenizer import Tokenizer
-from speculators.base import SpecParams
+from specserve.server.engine.outputs import RequestOutput
+from specserve.server.engine.request import Request
+from specserve.server.engine.request_checks import RequestChecks
+from specserve.server.engine.scheduler import ScheduledSeq, Scheduler
+from specserve.server.engine.spec_dispatch import SpecDispatcher
+from specserve.server.engine.stats import StepStats
+from specserve.server.engine.tokenizer import Tokenizer
+from specserve.speculators.base import SpecParams
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,8 @@
 """The engine process's main loop (process_engine.ProcessEngine starts it with multiprocessing "spawn").
 
-Builds the engine from the EngineConfig, says ("ready", EngineInfo) or ("failed", exception, traceback)
-on the pipe, then steps while there is work, taking commands between steps. Messages to the front end:
-  ("step", outputs, StepStats, Gauges)   once per step
-  ("reply", request_id, item)            a refused add (the exception) or an abort's final output
-  ("gauges", Gauges)                     load changed while idle (e.g. an abort of a waiting request)
-  ("dead", exception)                    a step raised; the process then exits
-Commands: ("add", ...) and ("abort", rid) as async_engine.apply_command takes them, and ("stop",).
+Builds the engine from the EngineConfig, says Ready(EngineInfo) or Failed(exception, traceback) on the
+pipe, then steps while there is work, taking commands between steps (server/engine/messages.py lists
+the messages both ways).
 The front end owns the signals: this process ignores SIGINT/SIGTERM (a Ctrl-C reaches the whole
 process group, and the server must drain first) and exits when told to stop or when the pipe closes.
 """
@@ -16,30 +12,24 @@ import logging
 import pickle
 import signal
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from server.config import EngineConfig
-from server.engine.request_checks import RequestChecks
+from specserve.server.config import EngineConfig
+from specserve.server.engine.messages import (
+    Dead,
+    EngineInfo,
+    Failed,
+    Gauges,
+    GaugesChanged,
+    Ready,
+    Reply,
+    StepDone,
+    Stop,
+)
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    model_name: str
-    methods: list[str]
-    checks: RequestChecks
-    tokenizer_dir: str
-
-
-@dataclass(frozen=True)
-class Gauges:
-    num_running: int
-    num_waiting: int
-    num_free_kv_blocks: int
 
 
 def picklable(exc: BaseException) -> BaseException:
@@ -55,14 +45,14 @@ def worker_main(conn: Connection, cfg: EngineConfig, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from server.engine.builder import build_engine, resolve_model_dir
+    from specserve.server.engine.builder import build_engine, resolve_model_dir
     try:
         engine, name = build_engine(cfg)
         info = EngineInfo(name, list(engine.spec.methods), engine.checks, str(resolve_model_dir(cfg)[1]))
     except BaseException as exc:  # noqa: BLE001 - re-raised by the front end: a bad --model reads as one
-        conn.send(("failed", picklable(exc), traceback.format_exc()))
+        conn.send(Failed(picklable(exc), traceback.format_exc()))
         return
-    conn.send(("ready", info))
+    conn.send(Ready(info))
     try:
         _serve(conn, engine)
     except (EOFError, OSError):    # the front end went away: nothing is left to serve
@@ -70,17 +60,17 @@ def worker_main(conn: Connection, cfg: EngineConfig, log_level: int) -> None:
 
 
 def _serve(conn: Connection, engine) -> None:
-    from server.engine.async_engine import apply_command
+    from specserve.server.engine.async_engine import apply_command
 
     def reply(rid: str, item) -> None:
-        conn.send(("reply", rid, picklable(item) if isinstance(item, BaseException) else item))
+        conn.send(Reply(rid, picklable(item) if isinstance(item, BaseException) else item))
 
     gauges = _gauges(engine)
     while True:
         timeout = 0.0 if engine.has_work else IDLE_POLL_S
         while conn.poll(timeout):
             cmd = conn.recv()
-            if cmd[0] == "stop":
+            if isinstance(cmd, Stop):
                 return
             apply_command(engine, cmd, reply)
             timeout = 0.0
@@ -88,16 +78,16 @@ def _serve(conn: Connection, engine) -> None:
             now = _gauges(engine)
             if now != gauges:
                 gauges = now
-                conn.send(("gauges", now))
+                conn.send(GaugesChanged(now))
             continue
         try:
             outputs, stats = engine.step()
         except Exception as exc:   # an engine bug must fail requests, not hang them
             log.exception("engine step failed")
-            conn.send(("dead", picklable(exc)))
+            conn.send(Dead(picklable(exc)))
             return
         gauges = _gauges(engine)
-        conn.send(("step", outputs, stats, gauges))
+        conn.send(StepDone(outputs, stats, gauges))
 
 
 def _gauges(engine) -> Gauges:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from sampling.params import SamplingParams
-from server.config import EngineConfig, parse_speculation
-from server.engine.errors import EngineDeadError
-from server.engine.outputs import RequestOutput
-from server.engine.stats import StepStats
-from speculators.base import SpecParams
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig, parse_speculation
+from specserve.server.engine.errors import EngineDeadError
+from specserve.server.engine.messages import Abort, AddRequest
+from specserve.server.engine.outputs import RequestOutput
+from specserve.server.engine.stats import StepStats
+from specserve.speculators.base import SpecParams
 
 
 class EngineFrontend:
@@ -67,7 +68,7 @@ class EngineFrontend:
         if self.dead is not None:       # died between the check above and the registration
             self._queues.pop(request_id, None)
             raise EngineDeadError(f"the engine has failed: {self.dead}")
-        self._send(("add", request_id, prompt_token_ids, params, spec, prediction_token_ids, prompt_logprobs))
+        self._send(AddRequest(request_id, prompt_token_ids, params, spec, prediction_token_ids, prompt_logprobs))
         finished = False
         try:
             while not finished:
@@ -79,10 +80,10 @@ class EngineFrontend:
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                self._send(("abort", request_id))
+                self._send(Abort(request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(Abort(request_id))
 
     def fail_all(self, make_error: Callable[[], BaseException]) -> int:
         """Raise a fresh `make_error()` in every request's consumer (e.g. the server's drain deadline
@@ -114,7 +115,7 @@ class EngineFrontend:
             self._deliver_one(rid, EngineDeadError(f"the engine has failed: {exc}"))
 
     # -- supplied by the subclass ------------------------------------------------------------------
-    def _send(self, cmd: tuple) -> None:
+    def _send(self, cmd: AddRequest | Abort) -> None:
         raise NotImplementedError
 
     def _check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.kv_cache import allocate_kv_cache, cache_dtype
-from server.engine.scheduler import ScheduledSeq
-from server.models.attention import AttentionMetadata, build_attention_metadata
+from specserve.server.engine.scheduler import ScheduledSeq
+from specserve.server.kv.kv_cache import allocate_kv_cache, cache_dtype
+from specserve.server.models.attention import AttentionMetadata, build_attention_metadata
 
 
 @dataclass
@@ -44,6 +44,7 @@ class ModelRunner:
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.device = device
         self.dtype = dtype
         self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, cache_dtype(dtype, device), device)

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sampling.outputs import TokenLogprob
-from sampling.params import SamplingParams
-from server.config import EngineConfig
-from server.engine.engine import Engine
-from speculators.base import SpecParams, SpecStats
+from specserve.sampling.outputs import TokenLogprob
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig
+from specserve.server.engine.engine import Engine
+from specserve.speculators.base import SpecParams, SpecStats
+
+NO_SPECULATION = SpecParams()
 
 
 @dataclass
@@ -27,11 +29,11 @@ class OfflineEngine:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> OfflineEngine:
-        from server.engine.builder import build_engine
+        from specserve.server.engine.builder import build_engine
         return cls(build_engine(cfg)[0])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 spec: SpecParams | list[SpecParams] = SpecParams(),
+                 spec: SpecParams | list[SpecParams] = NO_SPECULATION,
                  predictions: list[list[int] | None] | None = None) -> list[Completion]:
         n = len(prompts)
         params_l = params if isinstance(params, list) else [params] * n

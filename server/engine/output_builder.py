@@ -5,12 +5,12 @@ import copy
 
 import torch
 
-from sampling.outputs import TokenLogprob
-from server.engine.model_runner import StepBatch
-from server.engine.outputs import RequestOutput
-from server.engine.request import Request
-from server.engine.scheduler import ScheduledSeq
-from server.engine.stats import RequestTimings
+from specserve.sampling.outputs import TokenLogprob
+from specserve.server.engine.model_runner import StepBatch
+from specserve.server.engine.outputs import RequestOutput
+from specserve.server.engine.request import Request
+from specserve.server.engine.scheduler import ScheduledSeq
+from specserve.server.engine.stats import RequestTimings
 
 
 def build_output(req: Request, token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None,

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sampling.outputs import TokenLogprob
-from speculators.base import SpecStats
+from specserve.sampling.outputs import TokenLogprob
+from specserve.speculators.base import SpecStats
 
 
 @dataclass

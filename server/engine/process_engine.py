@@ -27,14 +27,26 @@ import queue
 import threading
 from collections.abc import Callable
 
-from sampling.params import SamplingParams
-from server.config import EngineConfig
-from server.engine.engine_worker import EngineInfo, Gauges, worker_main
-from server.engine.frontend import EngineFrontend
-from server.engine.spec_dispatch import validate_spec
-from server.engine.stats import StepStats
-from server.engine.tokenizer import Tokenizer
-from speculators.base import SpecParams
+from specserve.sampling.params import SamplingParams
+from specserve.server.config import EngineConfig
+from specserve.server.engine.engine_worker import worker_main
+from specserve.server.engine.frontend import EngineFrontend
+from specserve.server.engine.messages import (
+    Abort,
+    AddRequest,
+    Dead,
+    EngineInfo,
+    Failed,
+    Gauges,
+    GaugesChanged,
+    Reply,
+    StepDone,
+    Stop,
+)
+from specserve.server.engine.spec_dispatch import validate_spec
+from specserve.server.engine.stats import StepStats
+from specserve.server.engine.tokenizer import Tokenizer
+from specserve.speculators.base import SpecParams
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +90,11 @@ class ProcessEngine(EngineFrontend):
             self._proc.join(STOP_TIMEOUT_S)
             raise EngineStartError(f"the engine process exited while starting (exit code "
                                    f"{self._proc.exitcode})") from None
-        if msg[0] == "failed":
-            _, exc, tb = msg
-            log.error("building the engine failed in the engine process:\n%s", tb)
+        if isinstance(msg, Failed):
+            log.error("building the engine failed in the engine process:\n%s", msg.traceback)
             self._proc.join(STOP_TIMEOUT_S)
-            raise exc
-        return msg[1]
+            raise msg.error
+        return msg.info
 
     # -- what EngineFrontend needs -----------------------------------------------------------------
     @property
@@ -96,7 +107,7 @@ class ProcessEngine(EngineFrontend):
     def _check_spec(self, params: SpecParams) -> None:
         validate_spec(params)
 
-    def _send(self, cmd: tuple) -> None:
+    def _send(self, cmd: AddRequest | Abort) -> None:
         self._outbox.put(cmd)
 
     @property
@@ -125,7 +136,7 @@ class ProcessEngine(EngineFrontend):
     # -- threads -----------------------------------------------------------------------------------
     def _stop_process(self) -> None:
         self._stopping = True
-        self._outbox.put(("stop",))
+        self._outbox.put(Stop())
         self._proc.join(STOP_TIMEOUT_S)
         if self._proc.is_alive():
             log.warning("the engine process did not stop in %.0f s; terminating it", STOP_TIMEOUT_S)
@@ -141,7 +152,7 @@ class ProcessEngine(EngineFrontend):
                 self._conn.send(cmd)
             except (OSError, ValueError):       # the engine process is gone; the reader reports it
                 pass
-            if cmd[0] == "stop":
+            if isinstance(cmd, Stop):
                 return
 
     def _read_loop(self) -> None:
@@ -154,19 +165,18 @@ class ProcessEngine(EngineFrontend):
                     log.error("the engine process exited (exit code %s)", self._proc.exitcode)
                     self._die(RuntimeError(f"the engine process exited (exit code {self._proc.exitcode})"))
                 return
-            kind = msg[0]
-            if kind == "step":
-                _, outputs, stats, self._gauges = msg
-                self._deliver(outputs)
+            if isinstance(msg, StepDone):
+                self._gauges = msg.gauges
+                self._deliver(msg.outputs)
                 if self.on_step is not None:
                     try:
-                        self.on_step(stats)
+                        self.on_step(msg.stats)
                     except Exception:      # metrics must not stop the outputs
                         log.exception("on_step failed")
-            elif kind == "reply":
-                self._deliver_one(msg[1], msg[2])
-            elif kind == "gauges":
-                self._gauges = msg[1]
-            elif kind == "dead":
-                log.error("the engine process failed: %s", msg[1])
-                self._die(msg[1])
+            elif isinstance(msg, Reply):
+                self._deliver_one(msg.request_id, msg.item)
+            elif isinstance(msg, GaugesChanged):
+                self._gauges = msg.gauges
+            elif isinstance(msg, Dead):
+                log.error("the engine process failed: %s", msg.error)
+                self._die(msg.error)

@@ -5,8 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from sampling.params import SamplingParams
-from speculators.base import SpecParams, SpecStats
+from specserve.sampling.params import SamplingParams
+from specserve.speculators.base import SpecParams, SpecStats
 
 
 class RequestStatus(enum.Enum):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sampling.params import SamplingParams
-from server.engine.errors import ContextLengthError
+from specserve.sampling.params import SamplingParams
+from specserve.server.engine.errors import ContextLengthError
 
 
 @dataclass(frozen=True)

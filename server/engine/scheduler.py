@@ -16,8 +16,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from server.engine.block_manager import BlockManager
-from server.engine.request import Request, RequestStatus
+from specserve.server.engine.request import Request, RequestStatus
+from specserve.server.kv.block_manager import BlockManager
 
 
 @dataclass

@@ -11,43 +11,30 @@ where the policy cuts most drafts, the heads then cost (almost) nothing.
 """
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from sampling.outputs import SeqSamplingOutput
-from server.engine.request import Request
-from server.engine.scheduler import ScheduledSeq
-from server.engine.stats import SpecStepStats, StepStats
-from speculators.base import VerifiedStep, count_accepted_positions
-
-# method -> its speculator class, whose static validate() checks a request's options without a loaded model
-SPECULATOR_CLASSES = {"ngram": "speculators.ngram:NgramSpeculator",
-                      "prediction": "speculators.prediction:PredictionSpeculator",
-                      "draft": "speculators.draft_model:DraftModelSpeculator",
-                      "eagle3": "speculators.eagle3:Eagle3Speculator",
-                      "mtp": "speculators.mtp:MtpSpeculator",
-                      "hybrid": "speculators.hybrid:HybridSpeculator"}
+from specserve.sampling.outputs import SeqSamplingOutput
+from specserve.server.engine.request import Request
+from specserve.server.engine.scheduler import ScheduledSeq
+from specserve.server.engine.stats import SpecStepStats, StepStats
+from specserve.speculators import registry
+from specserve.speculators.base import Speculator, VerifiedStep, count_accepted_positions
 
 
-def class_validator(method: str) -> Callable[[dict], None]:
-    module, name = SPECULATOR_CLASSES[method].split(":")
-    return getattr(importlib.import_module(module), name).validate
-
-
-def validate_spec(spec, validator: Callable[[str], Callable[[dict], None]] = class_validator) -> None:
-    """ValueError for options the chosen method does not take; `validator(method)` -> its options check."""
+def validate_spec(spec, validator: Callable[[str], Callable[[dict], None]] = registry.validator) -> None:
+    """ValueError for options the chosen method does not take; `validator(method)` -> its options check
+    (the registry's, from the class, when no model is loaded: the engine process's front end)."""
     if spec.method == "none":
-        if spec.options:
-            raise ValueError(f"speculation method 'none' takes no options, got {sorted(spec.options)}")
+        registry.validator("none")(spec.options)
         return
     validator(spec.method)(spec.options)
 
 
 class SpecDispatcher:
-    def __init__(self, speculators: dict | None = None, policy=None) -> None:
+    def __init__(self, speculators: dict[str, Speculator] | None = None, policy=None) -> None:
         self.speculators = dict(speculators or {})    # method -> Speculator
         self.policy = policy                          # GoodputPolicy or None: learns draft costs and acceptance
 
@@ -90,11 +77,8 @@ class SpecDispatcher:
         """Model-based drafters count what they could not do (no KV room: no drafts this step, or a cached
         prompt prefix left unseen); it goes to spec_decode_refused_total by reason."""
         for spec in self.speculators.values():
-            refusals = getattr(spec, "refusals", None)
-            if refusals:
-                for reason, count in refusals.items():
-                    stats.spec_refused[reason] = stats.spec_refused.get(reason, 0) + count
-                refusals.clear()
+            for reason, count in spec.drain_refusals().items():
+                stats.spec_refused[reason] = stats.spec_refused.get(reason, 0) + count
 
     def observe_step(self, seqs: list[ScheduledSeq], drafts: list[list[int]], seconds: float) -> None:
         """Step time for the policy's cost fit: pure decode/verify steps only (no prefill rows)."""
@@ -122,7 +106,7 @@ class SpecDispatcher:
         batch = result.batch
         everything = None
         for spec in self.speculators.values():
-            if getattr(spec, "records_states", False):
+            if spec.records_states:
                 everything = everything or VerifiedStep(
                     requests=[], num_computed_before=[], token_offsets=[], query_lens=[], valid_lens=[],
                     num_accepted=[], sampled=[], hidden=result.hidden, prenorm_hidden=result.prenorm_hidden,
@@ -134,10 +118,7 @@ class SpecDispatcher:
             if method in self.speculators and not seq.request.is_finished:
                 groups.setdefault(method, []).append(i)
         for method, idx in groups.items():
-            spec = self.speculators[method]
-            if not hasattr(spec, "observe"):
-                continue
-            spec.observe(VerifiedStep(
+            self.speculators[method].observe(VerifiedStep(
                 requests=[seqs[i].request for i in idx],
                 num_computed_before=[computed_before[i] for i in idx],
                 token_offsets=[batch.token_offsets[i] for i in idx],

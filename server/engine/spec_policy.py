@@ -40,8 +40,8 @@ import heapq
 import logging
 from collections.abc import Sequence
 
-from server.engine.scheduler import ScheduledSeq
-from speculators.base import attempted_positions
+from specserve.server.engine.scheduler import ScheduledSeq
+from specserve.speculators.base import attempted_positions
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from server.models.attention_metadata import (
+from specserve.server.models.attention_metadata import (
     FLASH_PAGED_BLOCK_MULTIPLE,
     SHORT_QUERY_MAX,
     AttentionMetadata,
@@ -86,7 +86,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache, v_cache = kv_cache
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     out_dtype = q.dtype
-    if k_cache.dtype != q.dtype:     # a bf16 model on CPU attends in fp32 (server/engine/kv_cache.cache_dtype)
+    if k_cache.dtype != q.dtype:     # a bf16 model on CPU attends in fp32 (server/kv/kv_cache.cache_dtype)
         q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)             # [num_slots, kv_heads, head_dim]
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)

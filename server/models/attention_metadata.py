@@ -1,6 +1,6 @@
 """AttentionMetadata: everything the attention backends need about one step's varlen batch, built once.
 
-The model runner calls server.models.attention.build_attention_metadata (which picks the backend);
+The model runner calls specserve.server.models.attention.build_attention_metadata (which picks the backend);
 this module holds the dataclasses and the per-backend precomputation, so no layer ever loops over
 sequences to find slots, offsets or masks.
 """

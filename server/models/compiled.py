@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
-from server.models.attention import AttentionMetadata, paged_attention
+from specserve.server.models.attention import AttentionMetadata, paged_attention
 
 COMPILE_OPTIONS = {"cpp_wrapper": True, "size_asserts": False,
                    # Dynamo re-checks every module attribute the graph read before each call: ~0.37 ms per
@@ -100,7 +100,7 @@ def warm_up(model: torch.nn.Module, kv_caches: list, block_size: int, device: to
             aux_layer_ids: tuple[int, ...] = ()) -> None:
     """Compile the graph before serving (a 1-token and a 2-token step: both must use it). Writes K/V into
     block 0 of `kv_caches`: start-up only, before any request owns a block (see ModelRunner.time_verify_step)."""
-    from server.models.attention import build_attention_metadata
+    from specserve.server.models.attention import build_attention_metadata
     for query_len in (1, 2):
         attn = build_attention_metadata([query_len], [block_size], [[0]], block_size, device)
         ids = torch.zeros(query_len, dtype=torch.long, device=device)

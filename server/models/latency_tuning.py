@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from server.models.linear import Linear
+from specserve.server.models.linear import Linear
 
 log = logging.getLogger(__name__)
 

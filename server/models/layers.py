@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.models.config import ModelConfig, RopeScaling
-from server.models.linear import Linear
+from specserve.server.models.config import ModelConfig, RopeScaling
+from specserve.server.models.linear import Linear
 
 
 class RMSNorm(nn.Module):

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.models import compiled
+from specserve.server.models import compiled
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from server.models.attention import AttentionMetadata
-from server.models.compiled import COMPILE_OPTIONS, attend, forward_context, register
-from server.models.config import ModelConfig
-from server.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
-from server.models.linear import Linear
+from specserve.server.models.attention import AttentionMetadata
+from specserve.server.models.compiled import COMPILE_OPTIONS, attend, forward_context, register
+from specserve.server.models.config import ModelConfig
+from specserve.server.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from specserve.server.models.linear import Linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # ([num_blocks, block_size, kv_heads, head_dim],) * 2
 

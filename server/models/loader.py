@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from server.models.config import ModelConfig, load_config
-from server.models.linear import pack_linears
-from server.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from specserve.server.models.config import ModelConfig, load_config
+from specserve.server.models.linear import pack_linears
+from specserve.server.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,17 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from typing import Protocol
 
-from server.engine.request import Request
+
+class BlockOwner(Protocol):
+    """What the block manager reads and writes of a sequence: the engine's Request, a drafter's DraftSeq."""
+    block_ids: list[int]
+    block_hashes: list[bytes]          # chained hashes of full, computed blocks (prefix caching)
+    num_computed_tokens: int
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
 
 
 class BlockManager:
@@ -44,12 +53,12 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
-    def blocks_needed(self, request: Request, num_slots: int) -> int:
+    def blocks_needed(self, request: BlockOwner, num_slots: int) -> int:
         have = len(request.block_ids)
         return max(0, -(-num_slots // self.block_size) - have)
 
     # -- allocation ------------------------------------------------------------------------------
-    def allocate_cached_prefix(self, request: Request) -> int:
+    def allocate_cached_prefix(self, request: BlockOwner) -> int:
         """Attach cached leading blocks to a request with no blocks; returns tokens now computed.
 
         At least one token is left to compute so the step produces logits for the last position.
@@ -74,7 +83,7 @@ class BlockManager:
         self.num_cache_hits += cached
         return cached
 
-    def ensure_slots(self, request: Request, num_slots: int) -> bool:
+    def ensure_slots(self, request: BlockOwner, num_slots: int) -> bool:
         """Grow the request's block list to hold `num_slots` tokens. All-or-nothing."""
         need = self.blocks_needed(request, num_slots)
         if need > len(self._free):
@@ -86,7 +95,7 @@ class BlockManager:
             request.block_ids.append(block)
         return True
 
-    def free(self, request: Request) -> None:
+    def free(self, request: BlockOwner) -> None:
         # Reverse order: a request's tail blocks are the least likely to be shared, so reuse them first.
         for block in reversed(request.block_ids):
             self.ref_counts[block] -= 1
@@ -95,7 +104,7 @@ class BlockManager:
         request.block_ids = []
         request.block_hashes = []
 
-    def cache_computed_blocks(self, request: Request) -> None:
+    def cache_computed_blocks(self, request: BlockOwner) -> None:
         """Hash the request's full blocks whose tokens are all computed (call after each step)."""
         if not self.enable_prefix_caching:
             return

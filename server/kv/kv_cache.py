@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from server.models.config import ModelConfig
+from specserve.server.models.config import ModelConfig
 
 
 def cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
