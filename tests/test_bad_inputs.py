@@ -37,6 +37,17 @@ BAD_JSON = [
     # numbers out of range / of the wrong type
     (C, {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", ...),
     (C, {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens", ...),
+    # strict types, as OpenAI's API: no "yes" for a boolean, no "3" or 2.0 for an integer
+    (C, {"prompt": "x", "stream": "yes"}, 400, "stream", ...),
+    (C, {"prompt": "x", "stream": 1}, 400, "stream", ...),
+    (C, {"prompt": "x", "echo": "true"}, 400, "echo", ...),
+    (C, {"prompt": "x", "max_tokens": "3"}, 400, "max_tokens", ...),
+    (C, {"prompt": "x", "max_tokens": 2.0}, 400, "max_tokens", ...),
+    (C, {"prompt": "x", "n": "1"}, 400, "n", ...),
+    (C, {"prompt": "x", "temperature": "0.5"}, 400, "temperature", ...),
+    (C, {"prompt": "x", "speculation": {"method": "ngram", "num_speculative_tokens": "4"}}, 400, ..., ...),
+    (CHAT, {"messages": MSG, "logprobs": "true"}, 400, "logprobs", ...),
+    (CHAT, {"messages": MSG, "stream_options": {"include_usage": "yes"}, "stream": True}, 400, ..., ...),
     (C, {"prompt": "x", "max_tokens": -(2**63)}, 400, "max_tokens", ...),
     (C, {"prompt": "x", "temperature": "hot"}, 400, "temperature", ...),
     (C, {"prompt": "x", "temperature": 2.5}, 400, "temperature", ...),

@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    Strict,
     ValidationInfo,
     create_model,
     field_validator,
@@ -49,8 +50,9 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]      # every string a requ
 
 
 class OpenAIModel(BaseModel):
-    # NaN/inf are never valid numbers here; unknown fields are dropped like OpenAI does.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # NaN/inf are never valid numbers here; unknown fields are dropped like OpenAI does. Strict types, as
+    # OpenAI's API: "yes" or "1" is not a boolean, "3" or 1.5 not an integer (an integer is still a number).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(OpenAIModel):
@@ -59,7 +61,7 @@ class StreamOptions(OpenAIModel):
 
 class Speculation(OpenAIModel):
     """Ours: `{"method": "ngram", "num_speculative_tokens": 4, ...method options}`."""
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
     method: Text = Field(min_length=1, max_length=32)
     num_speculative_tokens: int | None = Field(None, ge=0, le=64)
 
@@ -236,7 +238,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 def _shared_caps(lim: Limits) -> dict[str, Any]:
     stop_str = Annotated[Text, Field(min_length=1, max_length=lim.max_stop_len)]
-    bias = Annotated[dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]],
+    # JSON object keys are strings: logit_bias's token ids arrive as "1234", so the key alone is lax
+    bias = Annotated[dict[Annotated[TokenId, Strict(False)], Annotated[float, Field(ge=-100.0, le=100.0)]],
                      Field(max_length=lim.max_logit_bias)]
     return {
         "n": (int, Field(1, ge=1, le=lim.max_n)),
