@@ -1,8 +1,10 @@
 """/v1/models, /v1/speculators, /health and /metrics of the real server."""
 from __future__ import annotations
 
+import json
 import time
 
+import httpx
 import pytest
 from conftest import MAX_MODEL_LEN, SERVED_NAME
 
@@ -79,3 +81,16 @@ def test_metrics_count_tokens_requests_and_speculation(client, http):
                  "request_queue_time_seconds"):
         assert f"specserve:{name}" in after, name
     assert metric(after, "specserve:num_requests_running") == 0
+
+
+def test_the_ready_banner_names_the_url_model_default_and_a_working_curl(servers, server_url):
+    import re
+    import shlex
+    log = servers["default"].log_path.read_text()
+    banner = next(line for line in log.splitlines() if line.startswith("specserve ready at "))
+    assert f"{server_url}/v1" in banner and "default speculation: none" in banner
+    curl = shlex.split(next(line for line in log.splitlines() if line.strip().startswith("curl ")))
+    url, body = curl[1], json.loads(curl[curl.index("-d") + 1])
+    assert re.fullmatch(rf"{re.escape(server_url)}/v1/completions", url)
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]

@@ -9,6 +9,7 @@ what SIGTERM runs (server/api/lifecycle.py, server/api/http_server.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -106,6 +107,21 @@ async def _load(state: ServerState, factory: EngineFactory,
     _ready(state, engine)
     logger.info("serving %s (max_model_len %d; speculators %s)", engine.model_name,
                 engine.max_model_len, engine.speculators())
+    print(ready_banner(state, engine), flush=True)
+
+
+def ready_banner(state: ServerState, engine: Any) -> str:
+    """What a person starting the server needs once it is ready: where, which model, which default
+    speculation, and one request to paste."""
+    cfg = state.server_config
+    url = f"http://{cfg.host}:{cfg.port}"
+    spec = state.engine_config.speculation
+    default = "none" if spec.k == 0 else f"{spec.method}, k = {spec.num_speculative_tokens}"
+    auth = ' -H "Authorization: Bearer $SPECSERVE_API_KEY"' if cfg.api_key else ""
+    body = json.dumps({"model": engine.model_name, "prompt": "def fibonacci(n):", "max_tokens": 64})
+    return (f"specserve ready at {url}/v1 | model {engine.model_name} | default speculation: {default} | "
+            f"loaded: {', '.join(engine.speculators())}\n"
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
 
 
 def _ready(state: ServerState, engine: Any) -> None:
