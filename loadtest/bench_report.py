@@ -1,4 +1,4 @@
-"""Issue 7's headline ratios from one run on one machine, each against its target, in one table.
+"""The headline ratios from one run on one machine, each against its target, in one table.
 
   python -m loadtest.bench_report --compile     # make bench-report; fp32 (pass --dtype bfloat16 where fast)
 

@@ -89,10 +89,11 @@ def _speculation_flags(p: argparse.ArgumentParser) -> None:
                    help="largest k (draft tokens per step) a request may ask for (default: %(default)s)")
     g.add_argument("--speculation", default=None, metavar="JSON",
                    help="server default for requests without a `speculation` field, e.g. "
-                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. Default: "
-                        "'{\"method\": \"none\"}' (plain decoding)")
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or '{\"method\": \"none\"}'. "
+                        "Checked at start-up like a request's. Default: the best method loaded, k = 4 "
+                        "(hybrid when a model drafter is loaded, else ngram); GET /v1/speculators shows it")
     g.add_argument("--speculation-policy", default=e.speculation_policy, choices=SPECULATION_POLICIES,
-                   help="goodput (experimental): each step, draft only the positions expected to raise "
+                   help="goodput: each step, draft only the positions expected to raise "
                         "tokens/s given the request's acceptance so far and the batch's measured step cost "
                         "(never for seeded sampled requests; a request opts out with \"adaptive\": false; "
                         "every cut is counted). fixed: always draft the k asked for (default: %(default)s)")
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig, Limits]:
     """Validated configs from parsed flags; ValueError with a readable message otherwise."""
     try:
-        speculation = parse_speculation(args.speculation)
+        speculation = None if args.speculation is None else parse_speculation(args.speculation)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--speculation is not valid JSON: {exc}") from None
     engine = EngineConfig(**{f: getattr(args, f) for f in _names(EngineConfig) if f != "speculation"},

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from specserve.speculators import registry
@@ -29,10 +29,10 @@ class EngineConfig:
     max_num_seqs: int = 64                 # running requests per step
     max_num_batched_tokens: int = 2048     # token budget per step (prefill chunks + decode + drafts)
     max_speculative_tokens: int = 8        # upper bound on k a request may ask for
-    speculation: SpecParams = field(default_factory=SpecParams)   # server default for requests without one
-    speculation_policy: str = (
-        "fixed"  # fixed = draft the k asked for; goodput = cut k where it lowers tokens/s (experimental)
-    )
+    # server default for requests without a `speculation` field; None = the best loaded method
+    # (registry.default_speculation: hybrid when a model drafter is loaded, else ngram; k = 4)
+    speculation: SpecParams | None = None
+    speculation_policy: str = "goodput"    # goodput = draft only the positions that raise tokens/s; fixed = all k
     draft_model: str | None = None
     eagle3: str | None = None
     enable_prefix_caching: bool = True
@@ -62,14 +62,25 @@ class EngineConfig:
             raise ValueError(
                 f"speculation_policy must be one of {SPECULATION_POLICIES}, got {self.speculation_policy!r}"
             )
-        if self.speculation.method not in registry.METHODS:
+        if self.speculation is not None:
+            self._validate_default_speculation(self.speculation)
+
+    def _validate_default_speculation(self, spec: SpecParams) -> None:
+        if spec.method not in registry.METHODS:
             raise ValueError(f"speculation method must be one of {registry.METHODS}")
-        if not 0 <= self.speculation.num_speculative_tokens <= self.max_speculative_tokens:
-            raise ValueError("default speculation k must be in [0, max_speculative_tokens]")
+        if not 0 <= spec.num_speculative_tokens <= self.max_speculative_tokens:
+            raise ValueError(f"default speculation k must be in [0, max_speculative_tokens = "
+                             f"{self.max_speculative_tokens}], got {spec.num_speculative_tokens}")
         try:  # the method's own options check, before any model loads (builder checks it is loaded)
-            registry.validator(self.speculation.method)(self.speculation.options)
+            registry.validator(spec.method)(spec.options)
         except ValueError as exc:
             raise ValueError(f"speculation: {exc}") from None
+
+    def default_speculation(self, loaded: list[str]) -> SpecParams:
+        """The default a request without `speculation` gets, given the methods the engine loaded."""
+        if self.speculation is not None:
+            return self.speculation
+        return registry.default_speculation(loaded, self.max_speculative_tokens)
 
 
 @dataclass

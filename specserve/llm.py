@@ -8,7 +8,8 @@
 
 Engine options are EngineConfig's fields (the server's flags, `--kv-cache-memory-gb` -> kv_cache_memory_gb).
 `speculation` takes what a request's `speculation` field takes (a dict, JSON text or SpecParams); without it
-the engine's default applies (`speculation=` given to the constructor, as the server's `--speculation`).
+the engine's default applies: `speculation=` given to the constructor (as the server's `--speculation`), else
+the best method loaded, as the server chooses it (speculators/registry.py `default_speculation`).
 """
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ class LLM:
                  config: EngineConfig | None = None, **options: Any) -> None:
         cfg = config if config is not None else EngineConfig(model=model, **options)
         if speculation is not None:
-            cfg.speculation = as_spec_params(speculation, cfg.speculation)
+            cfg.speculation = as_spec_params(speculation, SpecParams())
         engine, self.model_name = build_engine(cfg)
-        self._attach(engine, cfg.speculation)
+        self._attach(engine, cfg.default_speculation(list(engine.spec.methods)))
 
     @classmethod
     def from_engine(cls, engine: Engine, speculation: SpecLike = None, model_name: str = "engine") -> LLM:

@@ -37,6 +37,17 @@ def attempted_positions(num_draft: int, num_accepted: int) -> int:
     return min(num_accepted + 1, num_draft)
 
 
+# Why a request's speculation was reduced or refused: the `reason` label of spec_decode_refused_total and
+# the keys of a response's `speculation.cuts`, with the words its `notice` uses.
+CUT_REASONS: dict[str, str] = {
+    "token_budget": "k cut to fit the step's token budget (--max-num-batched-tokens)",
+    "load": "k cut by the goodput policy where more drafts would lower the batch's tokens/s",
+    "drafter_cache_full": "no drafts: the drafter's KV cache was full",
+    "prefix_unseen": "the drafter had no KV room for the cached prompt prefix and drafted without it",
+    "prediction_ignored": "the request's prediction was not used",
+}
+
+
 @dataclass
 class SpecStats:
     """Per-request speculation counters, reported in the response's `speculation` field."""
@@ -47,7 +58,17 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)   # [k]
     num_attempted_positions: int = 0   # positions reached: accepted + the first rejected one (acceptance estimate)
-    num_steps_k_reduced: int = 0       # steps where the goodput policy drafted fewer than k
+    # reason (CUT_REASONS) -> steps whose drafts were reduced or refused for it; the same reasons and
+    # counts go to spec_decode_refused_total
+    cuts: dict[str, int] = field(default_factory=dict)
+
+    def cut(self, reason: str) -> None:
+        self.cuts[reason] = self.cuts.get(reason, 0) + 1
+
+    @property
+    def num_steps_k_reduced(self) -> int:
+        """Steps where the goodput policy drafted fewer than k."""
+        return self.cuts.get("load", 0)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
@@ -100,6 +121,7 @@ class SpecRequest(Protocol):
     prediction_token_ids: list[int] | None  # the request's Predicted Output, if any
     output_token_ids: list[int]
     block_ids: list[int]                    # the target's KV blocks (a state stash is keyed by their slots)
+    spec_stats: SpecStats                   # where a drafter notes a cut (spec_stats.cut(reason)); else read-only
 
     @property
     def num_tokens(self) -> int: ...        # prompt + output tokens known so far

@@ -116,6 +116,7 @@ class DraftModelSpeculator(Speculator):
             # KV for the unseen tokens and for d_1..d_{k-1}: positions [0, n + k - 1)
             if not self.cache.reserve(state.kv, n + k - 1):
                 self.refusals["drafter_cache_full"] += 1   # (shared target prefixes): no drafts this step
+                req.spec_stats.cut("drafter_cache_full")
                 continue
             first_tokens.append(req.token_slice(valid, n))
             live.append(_Live(i, state, req, k))

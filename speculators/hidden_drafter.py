@@ -221,6 +221,7 @@ class HiddenStateDrafter:
                 self.num_prefix_catch_ups += first < start
                 if first == start > 0 and self.stash is not None:
                     self.refusals["prefix_unseen"] += 1
+                    req.spec_stats.cut("prefix_unseen")
                 return seq
             self.release(req)
         return None
@@ -240,6 +241,7 @@ class HiddenStateDrafter:
             if (seq is None or seq.ends[0] != n_tok - 1 or seq.carry[0].shape[0] == 0
                     or not self.cache.reserve(seq.kv, n_tok - 1 + max(0, k - self.n))):
                 self.refusals["drafter_cache_full"] += 1   # out of sync only after a cache-full release
+                req.spec_stats.cut("drafter_cache_full")
                 continue
             live.append(_Live(i, req, seq, k))
         if live:

@@ -12,11 +12,11 @@ Adding a method: one file with a `Speculator` subclass, one `Method(...)` line h
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import import_module
 
-from specserve.speculators.base import BuildContext, Speculator
+from specserve.speculators.base import BuildContext, SpecParams, Speculator
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,27 @@ def registered(entry: Method) -> Iterator[Method]:
     finally:
         TABLE.remove(entry)
         _index()
+
+
+# The server default when `--speculation` is not given: the first of these that is loaded, with k = DEFAULT_K
+# (capped by --max-speculative-tokens). Measured on the embedded family, docs/benchmarks.md: hybrid (lookup
+# where the context repeats, else a model drafter) was the best or within noise of the best method at
+# batch 1 and at concurrency 16 under the goodput policy; ngram is what every server has.
+DEFAULT_PREFERENCE = ("hybrid", "ngram")
+DEFAULT_K = 4
+
+
+def default_speculation(loaded: Sequence[str], max_k: int) -> SpecParams:
+    """What a request without a `speculation` field gets when the server was given no default.
+
+    Example: loaded ["none", "ngram", "prediction", "eagle3", "hybrid"], max_k 8 -> hybrid, k = 4;
+    loaded ["none", "ngram", "prediction"] -> ngram, k = 4; max_k 0 -> none.
+    """
+    k = min(DEFAULT_K, max_k)
+    for method in DEFAULT_PREFERENCE:
+        if method in loaded and k > 0:
+            return SpecParams(method=method, num_speculative_tokens=k)
+    return SpecParams()
 
 
 def _no_options(options: dict) -> None:

@@ -149,9 +149,10 @@ def test_speculation_stats_in_response(client):
     assert spec["mean_acceptance_length"] >= 1.0
     assert len(spec["accepted_per_position"]) <= 3
     plain = client.completions.create(model=SERVED_NAME, prompt="a b c a b c a b c a b", max_tokens=8,
-                                      temperature=0)
+                                      temperature=0, extra_body={"speculation": {"method": "none"}})
     assert plain.choices[0].text == r.choices[0].text            # lossless
-    assert plain.model_extra["speculation"]["method"] == "none"
+    off = plain.model_extra["speculation"]
+    assert off["method"] == "none" and off["num_drafts"] == 0 and off["num_speculative_tokens"] == 0
 
 
 def _refused(http, reason: str) -> float:
@@ -169,6 +170,7 @@ def test_ignored_prediction_is_said_in_the_response_and_counted(client, http):
                                               "prediction": {"type": "content", "content": "x = 1\n"}})
     spec = r.model_extra["speculation"]
     assert spec["method"] == "ngram" and "prediction ignored" in spec["notice"]
+    assert spec["cuts"] == {"prediction_ignored": 1}
     assert _refused(http, "prediction_ignored") == before + 1
 
 
@@ -192,7 +194,7 @@ MIXED_PROMPTS = ["a b c a b c a b c a b", "def f(x):\n    return f(x)\ndef f(", 
 
 
 def test_eight_concurrent_requests_mixing_methods_and_k_equal_plain_greedy(client, server_url):
-    """Issue 4 end to end: 8 requests in flight at once over HTTP, each with its own method and k (and
+    """Mixed batches end to end: 8 requests in flight at once over HTTP, each with its own method and k (and
     Predicted Outputs, exact and wrong), share verification steps; every text equals plain greedy."""
     import asyncio
     kwargs = {"model": SERVED_NAME, "max_tokens": 24, "temperature": 0, "extra_body": dict(LONG)}

@@ -37,7 +37,7 @@ from dashboard_support import (
 INSTALL_HINT = ("Debian's `prometheus` package (prometheus + promtool) is needed for this test: "
                 "`apt-get install -y --no-install-recommends prometheus` (after `apt-get update` on a fresh "
                 "machine; `make test` does this)")
-# Names the issue asks the dashboard to show (case-insensitive substrings of panel titles).
+# Panel names the dashboard must show (case-insensitive substrings of panel titles).
 REQUIRED_PANELS = ("acceptance rate by method", "mean acceptance length by method", "per-position acceptance",
                    "draft / accepted / rejected tokens", "tokens per verification step", "time to first token",
                    "inter-token latency", "throughput", "queue depth", "kv cache usage", "error rate")

@@ -157,7 +157,7 @@ def test_engine_cuts_drafts_when_verifying_costs_more_than_it_gains(tiny_model_d
     from specserve.server.engine.offline import OfflineEngine
     cfg = {"model": str(tiny_model_dir), "dtype": "float32", "device": "cpu", "num_threads": 1,
            "kv_cache_memory_gb": 0.02}
-    fixed = OfflineEngine.from_config(EngineConfig(**cfg))  # fixed is the default
+    fixed = OfflineEngine.from_config(EngineConfig(**cfg, speculation_policy="fixed"))
     assert fixed.engine.spec.policy is None
     eng = OfflineEngine.from_config(EngineConfig(**cfg, speculation_policy="goodput"))
     policy = eng.engine.spec.policy

@@ -89,6 +89,7 @@ def test_no_room_for_the_prefix_falls_back_to_the_uncached_part(dirs):
     assert [o.token_ids for o in outs] == refs
     assert drafter.num_prefix_catch_ups == 0
     assert refused == {"prefix_unseen": len(prompts)}                       # said, not silent
+    assert all(o.spec_stats.cuts == {"prefix_unseen": 1} for o in outs)    # and in each request's stats
     assert all(o.spec_stats.num_draft_tokens > 0 for o in outs)            # still drafting, from the cached end
     del drafter.cache.reserve
     assert_no_leaks(eng)

@@ -61,7 +61,7 @@ def test_tiny_target_trains_and_resumes(tmp_path, monkeypatch, streams, precisio
     assert m1 < m0 - 0.5 and t1 < t0 - 0.5, (m0, m1, t0, t1)
     assert summary["finished"] and summary["steps"] == 6
     assert summary["precision"] == ("bf16-autocast" if precision == "bf16" else "fp32")
-    # cut the run into three invocations (a session being stopped) and resume: identical weights
+    # cut the run into three invocations (a run being stopped) and resume: identical weights
     for _ in range(3):
         resumed, s = train_lm(_cfg(tmp_path, name="cut", stop_after_steps=2), *streams)
         if s["finished"]:

@@ -62,12 +62,13 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every stage's planned token budget")
     ap.add_argument("--tokens", default=None, help="replace planned token budgets, e.g. target=2.7e7,draft=2e7")
-    ap.add_argument("--session-minutes", type=float, default=None,
-                    help="stop cleanly (checkpoint) after this long; rerun the same command to resume")
+    ap.add_argument("--time-limit-minutes", type=float, default=None,
+                    help="stop cleanly (checkpoint, exit code 75) after this many minutes; rerun the same "
+                         "command to resume")
     ap.add_argument("--only", choices=["target", "draft", "eagle3", "evaluate", "card"], nargs="*")
     ap.add_argument("--smoke", action="store_true", help="tiny models, tiny budgets, outputs under runs/smoke")
     ap.add_argument("--skip-tokenizer-check", action="store_true")
-    ap.add_argument("--device", default="cpu", help="cuda when a GPU is lent (bf16 autocast)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda to train on a GPU (bf16 autocast)")
     args = ap.parse_args(argv)
     from training import evaluate, model_card, train_draft, train_eagle3, train_target
     t0 = time.time()
@@ -87,10 +88,10 @@ def main(argv=None):
         budget = tokens.get(stage, f"{PLAN_TOKENS[stage] * args.scale:.0f}")
         a = ["--name", prefix + stage, "--out", str(outs[stage]), "--threads", str(args.threads),
              "--device", args.device, "--tokens", budget] + STAGE_ARGS.get(stage, [])
-        if args.session_minutes is not None:
-            left = args.session_minutes - (time.time() - t0) / 60
+        if args.time_limit_minutes is not None:
+            left = args.time_limit_minutes - (time.time() - t0) / 60
             if left < 1:
-                print(f"[all] session time used up before {stage}; rerun the same command to resume", flush=True)
+                print(f"[all] time limit reached before {stage}; rerun the same command to resume", flush=True)
                 sys.exit(EXIT_RESUME)
             a += ["--stop-after-minutes", f"{left:.1f}"]
         return a
@@ -115,7 +116,7 @@ def main(argv=None):
         trainers[stage](common_args(stage) + extra + (smoke[stage] if args.smoke else []))
         if not done.exists():
             print(
-                f"[all] {stage} is not finished (stopped for the session); rerun the same command to resume", flush=True
+                f"[all] {stage} is not finished (time limit reached); rerun the same command to resume", flush=True
             )
             sys.exit(EXIT_RESUME)
     results = common.RUNS_DIR / (prefix + "eval") / "results.json"

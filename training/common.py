@@ -166,7 +166,7 @@ def save_checkpoint(path: Path, module, opt, state: RunState, extra: dict) -> No
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({"model": module.state_dict(), "opt": opt.state_dict(), "state": asdict(state), "extra": extra}, tmp)
-    os.replace(tmp, path)   # atomic: a cut session never leaves a half-written checkpoint
+    os.replace(tmp, path)   # atomic: a cut run never leaves a half-written checkpoint
 
 
 def load_checkpoint(path: Path, module, opt) -> tuple[RunState, dict] | None:

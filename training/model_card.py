@@ -43,7 +43,7 @@ def _reference_repetition(texts: list[str], chars: int) -> float:
 
 
 def status_lines(results: dict, corpus) -> list[str]:
-    """The issue's quality bars, each with the measured value and met / not met (nothing hand-written)."""
+    """The family's quality bars, each with the measured value and met / not met (nothing hand-written)."""
     held, acc = results.get("heldout_loss", {}), results.get("acceptance_mean", {})
     rows = []
     t, d = held.get("target", {}).get("heldout_loss"), held.get("draft", {}).get("heldout_loss")
@@ -70,7 +70,7 @@ def status_lines(results: dict, corpus) -> list[str]:
                          f"<= 1.5x real code's ({ref:.2f}, first {chars} chars)", f"{ours:.2f}", ours <= 1.5 * ref))
     if not rows:
         return []
-    return (["## Status against issue 3's bars (generated from runs/eval/results.json)", "",
+    return (["## Quality bars (generated from runs/eval/results.json)", "",
              "| bar | measured | met |", "|---|---|---|"]
             + [f"| {label} | {value} | {'yes' if ok else '**no**'} |" for label, value, ok in rows] + [""])
 
@@ -125,7 +125,7 @@ def render(models: Path, results: dict) -> str:
     if sampled:
         lines += ["## Samples (target, T = 0.8, top_p = 0.95, first seed)", "",
                   "Greedy decoding of a small LM falls into loops that sampling from the same model does not "
-                  "(the loop rows of the status table above).", ""]
+                  "(the loop rows of the quality-bar table above).", ""]
         for s in sampled:
             lines += ["```python", s["prompt"] + s["sampled"][0], "```", ""]
     return "\n".join(lines) + "\n"

@@ -115,7 +115,7 @@ def ready_banner(state: ServerState, engine: Any) -> str:
     speculation, and one request to paste."""
     cfg = state.server_config
     url = f"http://{cfg.host}:{cfg.port}"
-    spec = state.engine_config.speculation
+    spec = engine.resolve_speculation(None)
     default = "none" if spec.k == 0 else f"{spec.method}, k = {spec.num_speculative_tokens}"
     auth = ' -H "Authorization: Bearer $SPECSERVE_API_KEY"' if cfg.api_key else ""
     body = json.dumps({"model": engine.model_name, "prompt": "def fibonacci(n):", "max_tokens": 64})

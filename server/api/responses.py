@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from specserve.speculators.base import SpecParams, SpecStats
+from specserve.speculators.base import CUT_REASONS, SpecParams, SpecStats
 
 
 class PromptTokensDetails(BaseModel):
@@ -41,9 +41,11 @@ class SpeculationRequested(BaseModel):
 class SpeculationInfo(BaseModel):
     """What speculation did for this request (summed over its choices).
 
-    `requested` and `notice` are present only when the request did not get what it asked for
-    (a prediction with no prediction speculator loaded, k reduced by the engine, ...): speculation
-    is never switched off silently.
+    `cuts` counts, per reason (speculators/base.py CUT_REASONS: token_budget, load, drafter_cache_full,
+    prefix_unseen, prediction_ignored), the steps whose drafts were reduced or refused; `notice` says the
+    same in words, and `requested` is what was asked for when the engine ran another method or k.
+    All three are present only when the request did not get everything it asked for: speculation is
+    never cut silently.
     """
     method: str
     num_speculative_tokens: int
@@ -54,12 +56,14 @@ class SpeculationInfo(BaseModel):
     mean_acceptance_length: float = 1.0                # tokens per verification step = 1 + accepted / drafts
     accepted_per_position: list[int] = Field(default_factory=list)
     num_steps_k_reduced: int = 0          # steps where the server's goodput policy drafted fewer than k
+    cuts: dict[str, int] | None = None    # reason -> steps affected
     requested: SpeculationRequested | None = None
     notice: str | None = None
 
     @classmethod
     def from_stats(cls, stats: list[SpecStats], requested: SpecParams,
                    notice: str | None = None) -> SpeculationInfo:
+        """`notice`: what the HTTP edge already decided (a prediction it could not use)."""
         drafts = sum(s.num_drafts for s in stats)
         draft_tokens = sum(s.num_draft_tokens for s in stats)
         accepted = sum(s.num_accepted_tokens for s in stats)
@@ -67,19 +71,27 @@ class SpeculationInfo(BaseModel):
         for s in stats:
             for i, count in enumerate(s.accepted_per_pos):
                 per_pos[i] += count
+        cuts: dict[str, int] = {"prediction_ignored": 1} if notice is not None else {}
+        for s in stats:
+            for reason, count in s.cuts.items():
+                cuts[reason] = cuts.get(reason, 0) + count
         method = stats[0].method if stats else requested.method
         k = stats[0].k if stats else requested.k
         info = cls(method=method, num_speculative_tokens=k, num_drafts=drafts,
                    num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
                    acceptance_rate=accepted / draft_tokens if draft_tokens else None,
                    mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
-                   accepted_per_position=per_pos, notice=notice,
-                   num_steps_k_reduced=sum(s.num_steps_k_reduced for s in stats))
+                   accepted_per_position=per_pos, cuts=cuts or None,
+                   num_steps_k_reduced=cuts.get("load", 0))
+        words = [notice] if notice is not None else []
+        words += [f"{CUT_REASONS.get(r, r)} ({n} step{'s' if n != 1 else ''})"
+                  for r, n in cuts.items() if r != "prediction_ignored"]
         if (method, k) != (requested.method, requested.k):
             info.requested = SpeculationRequested(method=requested.method,
                                                   num_speculative_tokens=requested.k)
-            info.notice = notice or (f"asked for {requested.method} with k={requested.k}; "
-                                     f"the engine ran {method} with k={k}")
+            words.insert(0, f"asked for {requested.method} with k={requested.k}; "
+                            f"the engine ran {method} with k={k}")
+        info.notice = "; ".join(words) or None
         return info
 
 

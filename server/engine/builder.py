@@ -120,6 +120,8 @@ def check_default_speculation(cfg: EngineConfig, spec: SpecDispatcher) -> None:
     """The server default (`--speculation`) passes the checks a request's `speculation` passes, at start-up:
     a default the engine cannot serve would otherwise fail inside a step, for every request without one."""
     default = cfg.speculation
+    if default is None:        # chosen from what is loaded (registry.default_speculation): valid by construction
+        return
     if default.method not in spec.methods:
         entry = registry.BY_NAME.get(default.method)
         needs = f" ({default.method} needs {entry.needs})" if entry else ""

@@ -43,7 +43,7 @@ class EngineFrontend:
 
     def resolve_speculation(self, spec: dict | None) -> SpecParams:
         if spec is None:
-            return self.config.speculation
+            return self.config.default_speculation(self.methods)
         params = parse_speculation(spec)
         loaded = self.speculators()
         if params.method not in loaded:

@@ -120,6 +120,7 @@ class Scheduler:
         k = max(0, min(asked, remaining, room))
         if budget_left < k:
             out.spec_reduced["token_budget"] = out.spec_reduced.get("token_budget", 0) + 1
+            req.spec_stats.cut("token_budget")
             k = max(0, budget_left)
         return k
 

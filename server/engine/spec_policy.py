@@ -23,7 +23,8 @@ ran at 0.68-0.79x plain against 0.84-1.08x with k fixed; with depths paid once, 
 What it never touches: greedy output (k never changes what a greedy request emits) and seeded sampled
 requests (their k stays as asked, so a seed reproduces the same text whatever the load). It only cuts
 k, never raises it, and each cut is counted: `spec_decode_refused_total{reason="load"}` and the response's
-`speculation.num_steps_k_reduced`. Requests opt out with `"adaptive": false` in their `speculation`.
+`speculation.cuts["load"]` (also `num_steps_k_reduced`). Requests opt out with `"adaptive": false` in their
+`speculation`.
 
 Calibration: a lone request at a constant k only ever produces steps of one size, from which t0 and t1
 cannot be told apart (MIN_SPREAD). So the engine times a few verification forwards of different sizes at
@@ -31,8 +32,7 @@ start-up (ModelRunner.time_verify_step, CALIBRATION_SHAPES) and hands them to `c
 the fit as a fixed prior worth PRIOR_SAMPLE_WEIGHT steps each, while the decaying online observations
 move the line to what the server really sees.
 
-Off by default (`--speculation-policy goodput` turns it on); see the README for how it compares with the
-best fixed k.
+On by default (`--speculation-policy fixed` drafts every k asked for); docs/benchmarks.md compares the two.
 """
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ class GoodputPolicy:
         for s, k in zip(adaptive, keep):
             if k < s.num_draft_slots:
                 s.num_draft_slots = k
-                s.request.spec_stats.num_steps_k_reduced += 1
+                s.request.spec_stats.cut("load")
                 cut += 1
         return cut
 

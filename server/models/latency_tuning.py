@@ -17,8 +17,8 @@ Each shape is timed once per process and the answer reused, so two engines built
 compare them) make the same choice.
 
 Used for the draft model (speculators/draft_model.py). The EAGLE-3 and MTP heads were measured with it too
-and gained nothing (their 512-wide linears are bandwidth-bound, README "fifth session"), so they keep the
-packed kernels. Never call it on a target model or on a module shared with one.
+and gained nothing (their 512-wide linears are bandwidth-bound: docs/benchmarks.md, 2026-12-01 AMX Xeon),
+so they keep the packed kernels. Never call it on a target model or on a module shared with one.
 """
 from __future__ import annotations
 
