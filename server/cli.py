@@ -17,6 +17,7 @@ from specserve.server.api.lifecycle import LifecycleConfig
 from specserve.server.api.limits import Limits
 from specserve.server.config import (
     DTYPES,
+    METRICS_COMPAT,
     SPECULATION_POLICIES,
     EngineConfig,
     ServerConfig,
@@ -113,6 +114,10 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                         "else no authentication")
     g.add_argument("--log-level", default=s.log_level, choices=LOG_LEVELS,
                    help="log level (default: %(default)s)")
+    g.add_argument("--metrics-compat", default=s.metrics_compat, choices=METRICS_COMPAT,
+                   help="vllm: /metrics also exports the vllm: names (vllm:num_requests_waiting, "
+                        "vllm:kv_cache_usage_perc, ...) beside the specserve: ones, for routers and autoscalers "
+                        "set up for vLLM (default: %(default)s)")
 
 
 def _limit_flags(p: argparse.ArgumentParser) -> None:
@@ -173,7 +178,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     engine = EngineConfig(**{f: getattr(args, f) for f in _names(EngineConfig) if f != "speculation"},
                           speculation=speculation)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECSERVE_API_KEY") or None
-    server = ServerConfig(host=args.host, port=args.port, api_key=api_key, log_level=args.log_level)
+    server = ServerConfig(host=args.host, port=args.port, api_key=api_key, log_level=args.log_level,
+                          metrics_compat=args.metrics_compat)
     limits = Limits(**{f: getattr(args, f) for f in _names(Limits)})
     engine.validate()
     server.validate()

@@ -14,6 +14,7 @@ from specserve.speculators.base import SpecParams
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATION_POLICIES = ("goodput", "fixed")
+METRICS_COMPAT = ("none", "vllm")        # server/metrics.py: which other names /metrics carries
 
 
 @dataclass
@@ -89,10 +90,13 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # also from env SPECSERVE_API_KEY
     log_level: str = "info"
+    metrics_compat: str = "none"  # vllm = /metrics also carries the vllm: names (server/metrics.py)
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_compat not in METRICS_COMPAT:
+            raise ValueError(f"metrics_compat must be one of {METRICS_COMPAT}, got {self.metrics_compat!r}")
 
 
 def parse_speculation(text: str | dict[str, Any] | None) -> SpecParams:

@@ -29,10 +29,35 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
 
+from specserve.server.config import METRICS_COMPAT
 from specserve.server.engine.stats import RequestTimings, SpecStepStats, StepStats
 
 PREFIX = "specserve:"
+VLLM_PREFIX = "vllm:"
+# `--metrics-compat vllm`: our series again under the name vLLM gives the same quantity, for routers and
+# autoscalers configured for vLLM (the inference gateway's endpoint picker reads vllm:num_requests_waiting
+# and vllm:kv_cache_usage_perc by default). Same types, buckets and labels (`method` is extra; vLLM has none).
+VLLM_NAMES = {
+    "num_requests_running": "num_requests_running",
+    "num_requests_waiting": "num_requests_waiting",
+    "kv_cache_usage_perc": "kv_cache_usage_perc",
+    "num_preemptions": "num_preemptions",
+    "prompt_tokens": "prompt_tokens",
+    "generation_tokens": "generation_tokens",
+    "request_success": "request_success",
+    "spec_decode_num_drafts": "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos": "spec_decode_num_accepted_tokens_per_pos",
+    "time_to_first_token_seconds": "time_to_first_token_seconds",
+    "inter_token_latency_seconds": "inter_token_latency_seconds",
+    "time_per_output_token_seconds": "request_time_per_output_token_seconds",
+    "e2e_request_latency_seconds": "e2e_request_latency_seconds",
+    "request_queue_time_seconds": "request_queue_time_seconds",
+}
 METRICS_PATH = "/metrics"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -97,8 +122,31 @@ class _ModelChildren:
         self.request: dict[str, _RequestChildren] = {}
 
 
+class _VllmCompat:
+    """A collector that re-reads our own families at scrape time and yields them under vLLM's names.
+
+    Nothing is recorded twice: the values are those of the `specserve:` series at the same instant.
+    """
+
+    def __init__(self, families: list[Any]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._families:
+            for metric in family.collect():
+                ours = metric.name[len(PREFIX):]
+                theirs = VLLM_PREFIX + VLLM_NAMES[ours]
+                out = Metric(theirs, metric.documentation, metric.type)
+                out.samples = [Sample(theirs + s.name[len(metric.name):], s.labels, s.value, s.timestamp,
+                                      s.exemplar) for s in metric.samples]
+                yield out
+
+
 class Metrics:
-    def __init__(self, model_name: str = "unknown", registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str = "unknown", registry: CollectorRegistry | None = None,
+                 compat: str = "none") -> None:
+        if compat not in METRICS_COMPAT:
+            raise ValueError(f"metrics compat must be one of {METRICS_COMPAT}, got {compat!r}")
         self.registry = registry if registry is not None else CollectorRegistry()
         self._define_serving()
         self._define_speculation()
@@ -106,6 +154,10 @@ class Metrics:
         self._define_http()
         self.model_name = model_name
         self._bound: _ModelChildren | None = None
+        if compat == "vllm":
+            ours = [m for m in vars(self).values() if isinstance(m, (Counter, Gauge, Histogram))]
+            self.registry.register(_VllmCompat([m for m in ours
+                                                if m.describe()[0].name[len(PREFIX):] in VLLM_NAMES]))
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return Counter(PREFIX + name, doc, ("model_name", *labels), registry=self.registry)

@@ -52,7 +52,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
     limits.validate()
     lifecycle = lifecycle or LifecycleConfig()
     lifecycle.validate()
-    state = ServerState(engine_config, server_config, limits, RequestModels.build(limits), Metrics(),
+    state = ServerState(engine_config, server_config, limits, RequestModels.build(limits),
+                        Metrics(compat=server_config.metrics_compat),
                         Lifecycle(lifecycle))
     if engine is not None:
         _ready(state, engine)
