@@ -91,6 +91,10 @@ soak: venv
 flood: venv
 	$(BIN)/python -m loadtest.flood_latency $(or $(ARGS),--tiny)
 
+# TP = 2 (gloo) vs TP = 1 on CPU, interleaved: tokens/s ratio and the collectives' share of a step.
+bench-tp: venv
+	$(BIN)/python -m loadtest.bench_tp $(ARGS)
+
 bench-metrics: venv
 	$(BIN)/python -m loadtest.bench_metrics $(ARGS)
 

@@ -78,6 +78,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "event loop's per-chunk work (JSON, HTTP, socket writes) then runs beside the step "
                         "instead of holding the GIL the engine needs (server/engine/process_engine.py) "
                         "(default: %(default)s)")
+    g.add_argument("--tensor-parallel-size", type=int, default=e.tensor_parallel_size, metavar="N",
+                   help="shard the target over N ranks, one process each (Megatron-style: heads and MLP rows "
+                        "split, one all-reduce per attention and MLP block): NCCL on CUDA (GPUs cuda:0..N-1 "
+                        "from --device's index), gloo on CPU. The scheduler and drafters run on rank 0 "
+                        "(default: %(default)s)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=e.enable_prefix_caching,
                    help="disable reuse of KV blocks across requests with a common prefix (default: enabled)")

@@ -41,6 +41,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
     compile: bool = False  # torch.compile the layer stacks of target and draft model
     engine_process: bool = False  # step the engine in its own process (server/engine/process_engine.py)
+    tensor_parallel_size: int = 1  # ranks the target is sharded over (server/engine/tp_runner.py)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -63,6 +64,11 @@ class EngineConfig:
             raise ValueError(
                 f"speculation_policy must be one of {SPECULATION_POLICIES}, got {self.speculation_policy!r}"
             )
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.compile:
+            raise ValueError("--compile does not support --tensor-parallel-size > 1 (the collectives of a "
+                             "sharded forward are not traced); start without one of them")
         if self.speculation is not None:
             self._validate_default_speculation(self.speculation)
 

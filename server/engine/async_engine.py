@@ -88,6 +88,7 @@ class AsyncEngine(EngineFrontend):
         self._stop = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 10)
+        await asyncio.to_thread(self.engine.runner.close)      # tensor-parallel ranks, if any
 
     def _send(self, cmd: AddRequest | Abort) -> None:
         self._commands.put(cmd)

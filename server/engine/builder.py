@@ -65,8 +65,7 @@ def resolve_model_dir(cfg: EngineConfig) -> tuple[Path | None, Path]:
 
 
 def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
-    from specserve.sampling.rejection import RejectionSampler
-    from specserve.server.models.config import ModelConfig
+    from specserve.server.models.config import ModelConfig, load_config
     from specserve.server.models.loader import build_random_model, load_model
 
     cfg.validate()
@@ -76,22 +75,41 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     dtype = pick_dtype(cfg.dtype, device)
     model_dir, tok_dir = resolve_model_dir(cfg)
     tokenizer = Tokenizer(str(tok_dir))
+    session = None
     if model_dir is None:
         mcfg = ModelConfig.from_dict({**RANDOM_DEFAULT, "vocab_size": tokenizer.vocab_size})
-        model = build_random_model(mcfg, seed=cfg.seed, dtype=dtype, device=device)
         name = "specserve-random-llama"
         log.warning("no --model and no embedded target in %s: serving a ~30M Llama with RANDOM weights "
                     "(text will be gibberish)", tok_dir.parent)
     else:
-        model, mcfg = load_model(str(model_dir), dtype=dtype, device=device)
+        mcfg = load_config(model_dir)
         name = model_dir.name
+    if cfg.tensor_parallel_size > 1:
+        from specserve.server.engine.tp_runner import start_sharded
+        model, session = start_sharded(cfg, model_dir, mcfg, dtype, device)
+    elif model_dir is None:
+        model = build_random_model(mcfg, seed=cfg.seed, dtype=dtype, device=device)
+    else:
+        model, mcfg = load_model(str(model_dir), dtype=dtype, device=device)
+    try:
+        return _assemble(cfg, model, mcfg, name, model_dir, tok_dir, tokenizer, dtype, device, session)
+    except BaseException:
+        if session is not None:       # the ranks started must not outlive a failed start-up
+            session.close()
+        raise
+
+
+def _assemble(cfg: EngineConfig, model, mcfg, name: str, model_dir: Path | None, tok_dir: Path,
+              tokenizer: Tokenizer, dtype: torch.dtype, device: torch.device, session) -> tuple[Engine, str]:
+    from specserve.sampling.rejection import RejectionSampler
     if mcfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {mcfg.vocab_size}")
     max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     budget = int(cfg.kv_cache_memory_gb * (1 << 30))
     # One budget for everyone: each target block comes with one block in every drafter's own cache.
     kv_dtype = cache_dtype(dtype, device)
-    target_bpb = kv_cache_bytes_per_block(mcfg, cfg.block_size, kv_dtype)
+    # Per rank under tensor parallelism: each holds its KV heads of every block (model.config, the shard's).
+    target_bpb = kv_cache_bytes_per_block(model.config, cfg.block_size, kv_dtype)
     ctx = build_context(cfg, model_dir, tok_dir, mcfg, kv_dtype, dtype)
     drafter_bpb = registry.kv_bytes_per_block(ctx)
     num_blocks = budget // (target_bpb + drafter_bpb)
@@ -101,7 +119,11 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     log.info("model %s: %s, %s on %s (KV cache %s), %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
              name, mcfg.architecture, dtype, device, kv_dtype, num_blocks, cfg.block_size,
              cfg.kv_cache_memory_gb, max_len)
-    runner = ModelRunner(model, mcfg, num_blocks, cfg.block_size, dtype, device)
+    if session is not None:
+        from specserve.server.engine.tp_runner import TPModelRunner
+        runner = TPModelRunner(model, num_blocks, cfg.block_size, dtype, device, session)
+    else:
+        runner = ModelRunner(model, mcfg, num_blocks, cfg.block_size, dtype, device)
     bm = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
     sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len)
     sampler = RejectionSampler(eos_token_ids=tokenizer.eos_token_ids)

@@ -57,6 +57,8 @@ def worker_main(conn: Connection, cfg: EngineConfig, log_level: int) -> None:
         _serve(conn, engine)
     except (EOFError, OSError):    # the front end went away: nothing is left to serve
         pass
+    finally:
+        engine.runner.close()      # tensor-parallel ranks, if any
 
 
 def _serve(conn: Connection, engine) -> None:

@@ -98,6 +98,9 @@ class ModelRunner:
         return StepResult(logits=logits, aux_hidden=out.aux_hidden, hidden=out.hidden,
                           prenorm_hidden=out.prenorm_hidden, batch=batch)
 
+    def close(self) -> None:
+        """Release what the runner started (tensor-parallel ranks: tp_runner.TPModelRunner); nothing here."""
+
     @torch.inference_mode()
     def time_verify_step(self, num_seqs: int, query_len: int, context_len: int, reps: int = 3) -> float:
         """Seconds of one forward (+ logits of every row) verifying `query_len` tokens for each of
