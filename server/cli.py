@@ -18,6 +18,7 @@ from specserve.server.api.limits import Limits
 from specserve.server.config import (
     DTYPES,
     SPECULATION_POLICIES,
+    SUFFIX_SCOPES,
     EngineConfig,
     ServerConfig,
     parse_speculation,
@@ -97,6 +98,14 @@ def _speculation_flags(p: argparse.ArgumentParser) -> None:
                         "tokens/s given the request's acceptance so far and the batch's measured step cost "
                         "(never for seeded sampled requests; a request opts out with \"adaptive\": false; "
                         "every cut is counted). fixed: always draft the k asked for (default: %(default)s)")
+    g.add_argument("--suffix-cache-tokens", type=int, default=e.suffix_cache_tokens, metavar="N",
+                   help="token budget of the suffix method's cache of earlier requests' texts, oldest "
+                        "evicted first, about 90 bytes per token; 0 = no cross-request cache "
+                        "(default: %(default)s)")
+    g.add_argument("--suffix-scope", default=e.suffix_scope, choices=SUFFIX_SCOPES,
+                   help="who shares the suffix cache: request = nobody, user = requests with the same "
+                        "API key and OpenAI `user` field, global = every request (draft speed can reveal "
+                        "that similar text was generated before: SECURITY.md). Default: %(default)s")
     g.add_argument("--draft-model", default=e.draft_model, metavar="DIR",
                    help="draft model directory for method 'draft'. Default: none loaded")
     g.add_argument("--eagle3", default=e.eagle3, metavar="DIR",

@@ -14,6 +14,7 @@ from specserve.speculators.base import SpecParams
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATION_POLICIES = ("goodput", "fixed")
+SUFFIX_SCOPES = ("request", "user", "global")
 
 
 @dataclass
@@ -35,6 +36,10 @@ class EngineConfig:
     speculation_policy: str = "goodput"    # goodput = draft only the positions that raise tokens/s; fixed = all k
     draft_model: str | None = None
     eagle3: str | None = None
+    # the suffix method's cross-request cache: its token budget (oldest evicted first; ~90 B per token)
+    # and who shares it (request: nobody; user: same API key and `user` field; global: everyone)
+    suffix_cache_tokens: int = 1_000_000
+    suffix_scope: str = "user"
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
@@ -62,6 +67,10 @@ class EngineConfig:
             raise ValueError(
                 f"speculation_policy must be one of {SPECULATION_POLICIES}, got {self.speculation_policy!r}"
             )
+        if not 0 <= self.suffix_cache_tokens <= 1 << 30:
+            raise ValueError(f"suffix_cache_tokens must be in [0, 2^30], got {self.suffix_cache_tokens}")
+        if self.suffix_scope not in SUFFIX_SCOPES:
+            raise ValueError(f"suffix_scope must be one of {SUFFIX_SCOPES}, got {self.suffix_scope!r}")
         if self.speculation is not None:
             self._validate_default_speculation(self.speculation)
 

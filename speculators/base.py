@@ -17,6 +17,9 @@ class SpecParams:
     num_speculative_tokens: int = 0
     options: dict[str, Any] = field(default_factory=dict)   # method options, e.g. prompt_lookup_min/max
     adaptive: bool = True      # False: always draft k (the server's goodput policy never cuts it)
+    # who may share cross-request draft caches with this request (the suffix method): set at the HTTP edge
+    # from the API key and the OpenAI `user` field; None: nobody (speculators/suffix.py, SECURITY.md)
+    cache_scope: str | None = None
 
     @property
     def k(self) -> int:
@@ -61,6 +64,15 @@ class SpecStats:
     # reason (CUT_REASONS) -> steps whose drafts were reduced or refused for it; the same reasons and
     # counts go to spec_decode_refused_total
     cuts: dict[str, int] = field(default_factory=dict)
+
+    # auto: method -> [steps chosen, draft tokens, accepted tokens] ("none": steps it chose plain decoding)
+    by_method: dict[str, list[int]] = field(default_factory=dict)
+
+    def record_method(self, method: str, num_draft: int, num_accepted: int) -> None:
+        row = self.by_method.setdefault(method, [0, 0, 0])
+        row[0] += 1
+        row[1] += num_draft
+        row[2] += num_accepted
 
     def cut(self, reason: str) -> None:
         self.cuts[reason] = self.cuts.get(reason, 0) + 1
@@ -131,6 +143,9 @@ class SpecRequest(Protocol):
 
     def token_slice(self, start: int, end: int) -> list[int]: ...
 
+    @property
+    def is_finished(self) -> bool: ...      # released because it ended (not preempted)
+
 
 class TargetModel(Protocol):
     """What a model-based drafter may read of the target at load time (the engine's ModelRunner)."""
@@ -159,6 +174,8 @@ class BuildContext:
     kv_dtype: torch.dtype
     model_dtype: torch.dtype
     stash_states: bool                      # prefix caching on: heads keep a per-slot state stash
+    suffix_cache_tokens: int = 1_000_000    # the suffix method's cross-request cache budget (tokens)
+    suffix_scope: str = "user"              # request | user | global: who shares that cache
     target: TargetModel | None = None
     loaded: dict[str, Speculator] = field(default_factory=dict)
 

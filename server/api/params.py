@@ -6,6 +6,7 @@ vLLM do). An explicit max_tokens that does not fit is a 400 with code `context_l
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from specserve.sampling.params import SamplingParams
@@ -113,6 +114,15 @@ def speculation(engine: Any, req: CompletionRequest | ChatCompletionRequest
     if req.prediction is not None and notice is None and spec.method != "prediction":
         notice = f"prediction ignored: the request chose speculation method {spec.method!r}"
     return spec, notice
+
+
+def cache_scope(api_key: str | None, user: str | None) -> str | None:
+    """Who may share cross-request draft caches with this request (SpecParams.cache_scope): the holders of
+    the server's API key with the same OpenAI `user` field. None (no key configured and no `user`): an
+    anonymous request shares with nobody. A digest, so the key itself never reaches the engine."""
+    if api_key is None and user is None:
+        return None
+    return hashlib.sha256(f"{api_key or ''}\0{user or ''}".encode()).hexdigest()
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -8,6 +8,7 @@ rendering of responses and chunks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,7 +21,7 @@ from pydantic import BaseModel
 from specserve.sampling.params import SamplingParams
 from specserve.server.api.errors import bad_request
 from specserve.server.api.generation import ChoiceState, SubRequest, collect, fan_in
-from specserve.server.api.params import speculation
+from specserve.server.api.params import cache_scope, speculation
 from specserve.server.api.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.api.responses import (
     CompletionTokensDetails,
@@ -88,6 +89,7 @@ class Serving:
     def choose_speculation(self, engine: Any, req: AnyRequest) -> tuple[SpecParams, str | None]:
         """The request's speculation and its notice; a refusal is counted, never silent."""
         spec, notice = speculation(engine, req)
+        spec = dataclasses.replace(spec, cache_scope=cache_scope(self.state.server_config.api_key, req.user))
         if notice is not None:
             self.state.metrics.on_spec_refused("prediction_ignored")
         return spec, notice

@@ -174,7 +174,8 @@ def build_context(cfg: EngineConfig, model_dir: Path | None, tok_dir: Path, mcfg
     draft_dir, eagle3_dir = resolve_drafters(cfg, model_dir)
     return BuildContext(target_cfg=mcfg, model_dir=model_dir, tokenizer_dir=tok_dir, draft_dir=draft_dir,
                         eagle3_dir=eagle3_dir, block_size=cfg.block_size, kv_dtype=kv_dtype, model_dtype=dtype,
-                        stash_states=cfg.enable_prefix_caching)
+                        stash_states=cfg.enable_prefix_caching, suffix_cache_tokens=cfg.suffix_cache_tokens,
+                        suffix_scope=cfg.suffix_scope)
 
 
 def resolve_drafters(cfg: EngineConfig, model_dir: Path | None) -> tuple[str | None, str | None]:
