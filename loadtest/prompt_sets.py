@@ -6,6 +6,14 @@
   docstring_to_code a docstring-only stub to implement
   prose             English paragraphs from pydoc_data.topics (never in the training corpus)
 
+Workloads built from them at run time (they need the model's own answers):
+
+  repeated          the same prompts sent again later (agent loops, retries, evaluation harnesses):
+                    `repeated(prompts)` is the order the requests arrive in; the second send is measured
+  agentic           multi-turn editing: each turn's prompt is the previous turn's prompt and output plus
+                    a short instruction (`next_turn`)
+  mixed             repeated and fresh requests interleaved (`mixed`)
+
 They are built from the training corpus's held-out split by training/prompt_sets.py
 (`python -m training.prompt_sets`); this module only reads them.
 """
@@ -29,3 +37,28 @@ def load_prompt_set(name: str, n: int | None = None, seed: int = 0) -> list[dict
     rng = random.Random(seed)
     return [rows[i % len(rows)] for i in rng.sample(range(len(rows)), min(n, len(rows)))] + \
         [rows[i % len(rows)] for i in range(max(0, n - len(rows)))]
+
+
+AGENTIC_INSTRUCTIONS = (
+    "\n\n# Now rewrite the function above with type hints:\n",
+    "\n\n# Now the same function again, with a docstring that lists its arguments:\n",
+    "\n\n# Now the same function, with one comment per step:\n",
+)
+
+
+def next_turn(prompt: str, answer: str, turn: int) -> str:
+    """The prompt of agentic turn `turn + 1`: the conversation so far and the next instruction."""
+    return prompt + answer + AGENTIC_INSTRUCTIONS[turn % len(AGENTIC_INSTRUCTIONS)]
+
+
+def repeated(prompts: list, times: int = 2) -> list:
+    """Every prompt `times` times, each repeat after all the first sends (a later retry, not a burst)."""
+    return [p for _ in range(times) for p in prompts]
+
+
+def mixed(repeats: list, fresh: list) -> list:
+    """Repeated and fresh requests alternating: [repeat 0, fresh 0, repeat 1, fresh 1, ...]."""
+    out = []
+    for i in range(max(len(repeats), len(fresh))):
+        out += repeats[i:i + 1] + fresh[i:i + 1]
+    return out

@@ -144,6 +144,10 @@ class Metrics:
         self.spec_refused = self._counter("spec_decode_refused",
                                           "Requests whose speculation was refused or reduced, by reason.",
                                           ("reason",))
+        self.spec_collapsed = self._counter(
+            "spec_decode_acceptance_collapse",
+            "Times a method's recent acceptance fell far below its longer history (auto stops choosing it "
+            "for a while).", m)
 
     def _define_latency(self) -> None:
         m = ("method",)
@@ -229,6 +233,8 @@ class Metrics:
             self._on_spec(self._spec_children(c, method), spec)
         for reason, count in stats.spec_refused.items():
             self.spec_refused.labels(c.name, reason).inc(count)
+        for method, count in stats.spec_collapsed.items():
+            self.spec_collapsed.labels(c.name, method).inc(count)
         for timings in stats.finished:
             self._on_finished(c, timings)
 

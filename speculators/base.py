@@ -65,14 +65,16 @@ class SpecStats:
     # counts go to spec_decode_refused_total
     cuts: dict[str, int] = field(default_factory=dict)
 
-    # auto: method -> [steps chosen, draft tokens, accepted tokens] ("none": steps it chose plain decoding)
+    # auto: method -> [steps chosen, draft tokens, accepted tokens, attempted positions]
+    # ("none": the steps it chose plain decoding)
     by_method: dict[str, list[int]] = field(default_factory=dict)
 
     def record_method(self, method: str, num_draft: int, num_accepted: int) -> None:
-        row = self.by_method.setdefault(method, [0, 0, 0])
+        row = self.by_method.setdefault(method, [0, 0, 0, 0])
         row[0] += 1
         row[1] += num_draft
         row[2] += num_accepted
+        row[3] += attempted_positions(num_draft, num_accepted) if num_draft else 0
 
     def cut(self, reason: str) -> None:
         self.cuts[reason] = self.cuts.get(reason, 0) + 1

@@ -43,6 +43,7 @@ TABLE: list[Method] = [
            model_based=True),
     Method("hybrid", _P + "hybrid:HybridSpeculator", "any model-based drafter (eagle3, mtp or draft)"),
     Method("suffix", _P + "suffix:SuffixSpeculator", "always (drafts from this and earlier requests' texts)"),
+    Method("auto", _P + "auto:AutoSpeculator", "always (chooses among the other loaded methods per step)"),
 ]
 BY_NAME: dict[str, Method] = {}
 METHODS: tuple[str, ...] = ()

@@ -37,4 +37,5 @@ class StepStats:
     num_generation_tokens: int = 0    # tokens emitted this step
     spec: dict[str, SpecStepStats] = field(default_factory=dict)   # method -> counters
     spec_refused: dict[str, int] = field(default_factory=dict)     # reason -> requests refused/reduced this step
+    spec_collapsed: dict[str, int] = field(default_factory=dict)   # method -> acceptance collapses reported
     finished: list[RequestTimings] = field(default_factory=list)
