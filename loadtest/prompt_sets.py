@@ -28,6 +28,8 @@ SETS = ("code_completion", "code_editing", "docstring_to_code", "prose")
 
 
 def load_prompt_set(name: str, n: int | None = None, seed: int = 0) -> list[dict]:
+    if name in WORKLOADS:
+        return _workload(name, n or 16, seed)
     path = PROMPT_DIR / f"{name}.jsonl"
     if not path.is_file():
         raise SystemExit(f"unknown prompt set {name!r}; have {[p.stem for p in PROMPT_DIR.glob('*.jsonl')]}")
@@ -62,3 +64,19 @@ def mixed(repeats: list, fresh: list) -> list:
     for i in range(max(len(repeats), len(fresh))):
         out += repeats[i:i + 1] + fresh[i:i + 1]
     return out
+
+
+# Served workloads over HTTP (loadtest.serve, the sweep): code-completion rows arranged as the workload
+# says, with one OpenAI `user` so that a server's per-user suffix cache may share their answers.
+WORKLOADS = ("repeated", "mixed")
+WORKLOAD_USER = "loadtest"
+
+
+def _workload(name: str, n: int, seed: int) -> list[dict]:
+    """repeated: n/2 prompts, then the same again; mixed: n/3 prompts, then their repeats alternating
+    with n/3 fresh ones."""
+    m = max(1, n // 2 if name == "repeated" else n // 3)
+    rows = [dict(r, user=WORKLOAD_USER) for r in load_prompt_set("code_completion", 2 * m, seed)]
+    if name == "repeated":
+        return repeated(rows[:m])
+    return rows[:m] + mixed(rows[:m], rows[m:])
