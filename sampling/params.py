@@ -5,12 +5,16 @@ import math
 from dataclasses import dataclass, field
 
 _INT64_MAX = 2**63 - 1
+# Temperatures below this are decoded greedily: the scaled distribution is one-hot up to float
+# rounding, and dividing by ~0 would overflow float32 logits to inf (softmax -> NaN). The one rule
+# for "greedy" everywhere (sampler, drafters, goodput policy, engine).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0          # 0 = greedy
+    temperature: float = 1.0          # < GREEDY_TEMPERATURE (0 in practice) = greedy
     top_p: float = 1.0                # (0, 1]
     top_k: int = 0                    # 0 or -1 = off
     min_p: float = 0.0                # [0, 1]
@@ -29,7 +33,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled with a seed: every decision is a Gumbel-max over noise keyed by position (coupled.py)."""
+        return self.seed is not None and not self.greedy
 
     @property
     def has_penalties(self) -> bool:

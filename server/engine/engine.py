@@ -36,7 +36,6 @@ class _Live:
     """Engine-side state of a request that the scheduler does not need."""
     request: Request
     detok: IncrementalDetokenizer
-    generator: torch.Generator | None
     stop_ids: frozenset[int]
     last_emit_time: float | None = None
 
@@ -70,15 +69,13 @@ class Engine:
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, spec,
                       prediction_token_ids=prediction_token_ids, needs_prompt_logprobs=prompt_logprobs)
-        gen = None
-        if params.seed is not None and not params.greedy:
-            gen = torch.Generator(device=self.runner.device)
-            gen.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
+        # A seeded request carries no generator: its noise is keyed by position (sampling/coupled.py), so
+        # nothing about it has to survive a preemption or depend on how many drafts a step verified.
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.tokenizer.eos_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer, list(params.stop), params.include_stop_str_in_output)
-        self.live[request_id] = _Live(req, detok, gen, frozenset(stop_ids))
+        self.live[request_id] = _Live(req, detok, frozenset(stop_ids))
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -138,12 +135,15 @@ class Engine:
             inputs.append(SeqSamplingInput(
                 params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids, draft_token_ids=drafts[i],
-                draft_probs=draft_probs[i], generator=self.live[req.request_id].generator))
+                draft_probs=draft_probs[i]))
         sampled: list[SeqSamplingOutput] = []
         if inputs:
             row_idx = torch.cat(rows).to(result.logits.device)
             sampled = self.sampler(result.logits.index_select(0, row_idx), inputs)
-        self.spec.update([s.request for s in seqs if s.samples], sampled,
+        # Stops and max_tokens first: the counters below must see what is really kept (an accepted run can
+        # cross a stop token, and its later drafts are then neither output nor valid KV).
+        sampled = [self._truncate(seq, out) for seq, out in zip([s for s in seqs if s.samples], sampled)]
+        self.spec.update([s.request for s in seqs if s.samples], [out for out, _ in sampled],
                          [d for d, s in zip(drafts, seqs) if s.samples], stats)
         outputs: list[RequestOutput] = []
         accepted = [0] * len(seqs)
@@ -155,9 +155,9 @@ class Engine:
                 stats.num_prompt_tokens += min(seq.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
             plp = prompt_logprobs_rows(req, seq, batch, i, result.logits) if batch.num_prompt_rows[i] else None
             if seq.samples:
-                sample = next(it)
+                sample, reason = next(it)
                 accepted[i] = sample.num_accepted
-                out = self._emit(seq, sample, now, plp, stats)
+                out = self._emit(seq, sample, reason, now, plp, stats)
                 stats.num_generation_tokens += len(out.token_ids)
                 outputs.append(out)
             else:
@@ -167,8 +167,9 @@ class Engine:
         self.spec.observe(seqs, computed_before, accepted, result)
         return outputs
 
-    def _emit(self, seq: ScheduledSeq, out: SeqSamplingOutput, now: float, plp,
-              stats: StepStats) -> RequestOutput:
+    def _truncate(self, seq: ScheduledSeq, out: SeqSamplingOutput) -> tuple[SeqSamplingOutput, str | None]:
+        """The tokens the request keeps (up to its first stop token, stop string or length limit) and why it
+        ends, if it does. num_accepted counts only the kept drafts: the last kept token has no valid KV."""
         req = seq.request
         live = self.live[req.request_id]
         params = req.sampling_params
@@ -177,8 +178,10 @@ class Engine:
         for tok in out.token_ids:
             emitted.append(tok)
             n_out = req.num_output_tokens + len(emitted)
-            stop_str = live.detok.append(tok)
-            if tok in live.stop_ids and n_out > params.min_tokens:
+            # min_tokens gates stop ids and stop strings alike: the first min_tokens tokens never end it
+            may_stop = n_out > params.min_tokens
+            stop_str = live.detok.append(tok, may_stop)
+            if may_stop and tok in live.stop_ids:
                 reason, req.stop_reason = "stop", tok
             elif stop_str is not None:
                 reason, req.stop_reason = "stop", stop_str
@@ -186,8 +189,18 @@ class Engine:
                 reason = "length"
             if reason:
                 break
-        self.scheduler.update(seq, out.num_accepted, emitted)
         logprobs = out.logprobs[:len(emitted)] if out.logprobs is not None else None
+        kept = SeqSamplingOutput(token_ids=emitted, num_accepted=min(out.num_accepted, len(emitted) - 1),
+                                 logprobs=logprobs)
+        return kept, reason
+
+    def _emit(self, seq: ScheduledSeq, out: SeqSamplingOutput, reason: str | None, now: float, plp,
+              stats: StepStats) -> RequestOutput:
+        """Book the kept tokens `out` (from _truncate), finish the request if `reason`, build its output."""
+        req = seq.request
+        live = self.live[req.request_id]
+        emitted, logprobs = out.token_ids, out.logprobs
+        self.scheduler.update(seq, out.num_accepted, emitted)
         if req.first_token_time is None:
             req.first_token_time = now
         elif live.last_emit_time is not None:
