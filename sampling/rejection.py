@@ -45,11 +45,11 @@ def _count_accepted(accepted: torch.Tensor,  # [m, max_drafts] bool
 
 
 def _plain_greedy(seq: SeqSamplingInput) -> bool:
-    """Greedy with nothing that edits the scores this step (no penalty, bias, min_tokens ban) and no logprobs:
+    """Greedy with nothing that edits the scores this step (no penalty, bias, min_tokens ban, grammar) and no logprobs:
     the whole verification is an argmax per row."""
     p = seq.params
     return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias and not p.has_penalties
-            and p.min_tokens <= len(seq.output_token_ids))
+            and p.min_tokens <= len(seq.output_token_ids) and seq.grammar_mask is None)
 
 
 def _verify_plain_greedy(target_logits: torch.Tensor,  # [sum_i(k_i + 1), vocab], any float dtype

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specserve.grammar.draft_mask import mask_draft_logits
 from specserve.sampling.params import SamplingParams
 from specserve.sampling.rng import inverse_cdf
 from specserve.sampling.truncation import apply_min_p, apply_top_k_top_p
@@ -57,7 +58,9 @@ def append_drafts(items: Sequence, logits: torch.Tensor,  # [n, vocab] float32, 
     """Sample one draft per item and append it (and its probs, when sampled) to item.tokens / item.probs.
 
     items: per-request drafting state with `.request`, `.tokens` and `.probs` lists (draft model, heads).
+    A request under a grammar drafts from the masked logits (specserve/grammar/draft_mask.py).
     """
+    logits = mask_draft_logits(items, logits)
     tokens, probs = sample_drafts(logits, [it.request.sampling_params for it in items], generators)
     for item, tok, prob in zip(items, tokens, probs):
         item.tokens.append(tok)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.grammar.compiler import GrammarCompiler
 from specserve.sampling.outputs import SeqSamplingInput, SeqSamplingOutput
 from specserve.sampling.params import SamplingParams
 from specserve.server.engine.detokenizer import IncrementalDetokenizer
@@ -24,7 +25,7 @@ from specserve.server.engine.request import Request
 from specserve.server.engine.request_checks import RequestChecks
 from specserve.server.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.server.engine.spec_dispatch import SpecDispatcher
-from specserve.server.engine.stats import StepStats
+from specserve.server.engine.stats import SpecStepStats, StepStats
 from specserve.server.engine.tokenizer import Tokenizer
 from specserve.speculators.base import SpecParams
 
@@ -43,8 +44,9 @@ class _Live:
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer: Tokenizer, sampler,
-                 spec: SpecDispatcher, max_model_len: int) -> None:
+                 spec: SpecDispatcher, max_model_len: int, grammars: GrammarCompiler | None = None) -> None:
         self.runner = runner
+        self.grammars = grammars      # compiles structured-output constraints; None: they are refused
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.sampler = sampler
@@ -61,6 +63,10 @@ class Engine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.checks.validate(prompt_token_ids, params)
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured outputs are not available on this engine")
+            self.grammars.compile(params.structured)   # GrammarError (a ValueError) names the problem
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     spec: SpecParams, prediction_token_ids: list[int] | None = None,
@@ -70,6 +76,8 @@ class Engine:
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, spec,
                       prediction_token_ids=prediction_token_ids, needs_prompt_logprobs=prompt_logprobs)
+        if params.structured is not None:
+            req.grammar = self.grammars.start(params.structured)   # a cache hit: validate compiled it
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator(device=self.runner.device)
@@ -138,7 +146,8 @@ class Engine:
             inputs.append(SeqSamplingInput(
                 params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids, draft_token_ids=drafts[i],
-                draft_probs=draft_probs[i], generator=self.live[req.request_id].generator))
+                draft_probs=draft_probs[i], generator=self.live[req.request_id].generator,
+                grammar_mask=self._grammar_mask(req, drafts[i], stats)))
         sampled: list[SeqSamplingOutput] = []
         if inputs:
             row_idx = torch.cat(rows).to(result.logits.device)
@@ -167,6 +176,28 @@ class Engine:
         self.spec.observe(seqs, computed_before, accepted, result)
         return outputs
 
+    @staticmethod
+    def _grammar_mask(req: Request, drafts: list[int], stats: StepStats) -> torch.Tensor | None:
+        """[len(drafts) + 1, vocab] bool: the grammar's allowed tokens at each verification row (None: free
+        text). A draft the grammar forbids is counted; the verifier rejects it at its position."""
+        if req.grammar is None:
+            return None
+        mask, n_valid = req.grammar.row_masks(drafts)
+        if n_valid < len(drafts):
+            req.spec_stats.grammar_rejected += 1
+            method = req.spec_params.method
+            stats.spec.setdefault(method, SpecStepStats()).num_grammar_rejected += 1
+        return mask
+
+    @staticmethod
+    def _grammar_finished(req: Request, tok: int) -> bool:
+        """Advance the request's grammar over an emitted token; True once the constraint is complete (the
+        grammar admits nothing but the end, so the request ends without spending a step on EOS)."""
+        if req.grammar is None:
+            return False
+        req.grammar.commit([tok])
+        return req.grammar.is_finished
+
     def _emit(self, seq: ScheduledSeq, out: SeqSamplingOutput, now: float, plp,
               stats: StepStats) -> RequestOutput:
         req = seq.request
@@ -182,6 +213,8 @@ class Engine:
                 reason, req.stop_reason = "stop", tok
             elif stop_str is not None:
                 reason, req.stop_reason = "stop", stop_str
+            elif self._grammar_finished(req, tok):
+                reason = "stop"
             elif n_out >= params.max_tokens or req.num_tokens + len(emitted) >= self.max_model_len:
                 reason = "length"
             if reason:
