@@ -119,9 +119,10 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     return Engine(runner, sched, tokenizer, sampler, spec, max_len, grammars), cfg.served_model_name or name
 
 
-def build_grammar_compiler(cfg: EngineConfig, tok_dir: Path, vocab_size: int,
+def build_grammar_compiler(cfg: EngineConfig, tok_dir: str | Path, vocab_size: int,
                            eos_token_ids: list[int]) -> GrammarCompiler:
-    """Structured outputs: the grammar library over this tokenizer, with the server's limits."""
+    """Structured outputs: the grammar library over this tokenizer, with the server's limits (the engine
+    and, with --engine-process, the front end that checks requests build the same one)."""
     backend = LLGuidanceBackend(tok_dir, vocab_size, eos_token_ids)
     return GrammarCompiler(backend, GrammarLimits(max_bytes=cfg.max_grammar_bytes,
                                                   timeout_s=cfg.grammar_compile_timeout,
