@@ -4,7 +4,9 @@ The matcher always sits at committed output + `pending`, a prefix of the drafts 
 for a step with drafts [d_0 .. d_{k-1}] are computed by walking the matcher through them: row j is the
 mask after d_0 .. d_{j-1}. At the first draft the grammar forbids, the walk stops; that draft gets
 target probability 0 in its row and is rejected there, so the rows after it are never read (they are
-left all-allowed). After the step the drafts are rolled back and the emitted tokens committed.
+left all-allowed). A draft that completes the constraint ends the request (server/engine/engine.py), so
+the drafts after it are not looked at either. After the step the drafts are rolled back and the emitted
+tokens committed.
 
 Worked example: regex "ab", drafts [a, x, b]: row 0 allows {a}; a is valid, row 1 allows {b}; x is not,
 walk stops with n_valid = 1; row 2 and 3 all-allowed (never read). The verifier rejects x at row 1 and
@@ -63,13 +65,16 @@ class GrammarState:
             if not self._walk_to(drafts[:j]):
                 n_valid = j - 1
                 break
+            if self._m.is_finished:      # drafts[j - 1] completes the output: the request ends there
+                break
             self._m.fill_mask(bitmask[j])
         return self._unpack(bitmask), n_valid
 
     def draft_mask(self, prefix: list[int]) -> torch.Tensor | None:
         """[vocab] bool allowed tokens after committed output + prefix (a drafter's next position), or None
-        when the grammar forbids the prefix itself (nothing after it can be accepted)."""
-        if not self._walk_to(prefix):
+        when nothing after the prefix can be accepted: the grammar forbids the prefix, or the prefix completes
+        the constraint (the request ends there, so a draft after it is never used)."""
+        if not self._walk_to(prefix) or self._m.is_finished:
             return None
         bitmask = np.empty((1, self._words), dtype=np.int32)
         self._m.fill_mask(bitmask[0])
