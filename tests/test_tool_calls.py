@@ -22,7 +22,8 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
            "required": ["city", "unit"], "additionalProperties": False}
 TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
         "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now.", "parameters": WEATHER}},
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "Weather now.", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MSG = [{"role": "user", "content": "Weather in Paris?"}]
