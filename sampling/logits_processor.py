@@ -101,16 +101,34 @@ class LogitsProcessor:
         logits[rows, tokens] = float("-inf")
 
 
+def grammar_rows(seqs: Sequence, vocab: int, device: torch.device,
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows [M] long, allowed [M, vocab] bool) of the requests with a grammar_mask, rows counted over the
+    whole ragged batch (request i owns len(draft_token_ids) + 1 rows); None when no request has one."""
+    rows, masks, start = [], [], 0
+    for seq in seqs:
+        n = len(seq.draft_token_ids) + 1
+        mask = seq.grammar_mask                                         # [n, mask vocab] bool
+        if mask is not None:
+            width = min(mask.shape[1], vocab)
+            if width < vocab:                                           # ids the tokenizer does not have
+                mask = torch.cat([mask[:, :width], mask.new_zeros(n, vocab - width)], dim=1)
+            rows.append(torch.arange(start, start + n))
+            masks.append(mask[:, :vocab])
+        start += n
+    if not rows:
+        return None
+    return torch.cat(rows).to(device), torch.cat(masks).to(device)
+
+
 def _apply_grammar(logits: torch.Tensor,         # [num_rows, vocab], modified in place
                    target_logits: torch.Tensor,  # [num_rows, vocab] raw
                    batch: SamplingBatch, reqs: list[int]) -> None:
-    allowed = torch.ones(batch.num_rows, batch.vocab_size, dtype=torch.bool, device=batch.device)
-    for i in reqs:
-        mask = batch.seqs[i].grammar_mask                              # [k_i + 1, mask vocab] bool
-        start, n, width = batch.row_start[i], batch.num_drafts[i] + 1, min(mask.shape[1], batch.vocab_size)
-        allowed[start:start + n, :width] = mask[:, :width].to(batch.device)
-        allowed[start:start + n, width:] = False                       # ids the tokenizer does not have
-    logits.masked_fill_(~allowed, float("-inf"))
-    empty = ~torch.isfinite(logits).any(dim=-1)                        # [num_rows]
+    found = grammar_rows(batch.seqs, batch.vocab_size, batch.device)
+    assert found is not None and reqs
+    rows, allowed = found                                               # [M], [M, vocab]
+    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    empty = ~torch.isfinite(masked).any(dim=-1)                         # [M]
     if bool(empty.any()):
-        logits[empty] = target_logits[empty].masked_fill(~allowed[empty], float("-inf"))
+        masked[empty] = target_logits.index_select(0, rows[empty]).masked_fill(~allowed[empty], float("-inf"))
+    logits.index_copy_(0, rows, masked)
