@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class Engine:
                  spec: SpecDispatcher, max_model_len: int, grammars: GrammarCompiler | None = None) -> None:
         self.runner = runner
         self.grammars = grammars      # compiles structured-output constraints; None: they are refused
+        self._mask_pool: ThreadPoolExecutor | None = None
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.sampler = sampler
@@ -119,10 +121,12 @@ class Engine:
             outputs = [out] if out is not None else []
         if sched.seqs:
             drafts, draft_probs = self.spec.propose(sched.seqs, stats)
+            masks = self._start_masks(sched.seqs, drafts)
             t0 = time.perf_counter()
             batch = self.runner.prepare(sched.seqs, drafts)
             result = self.runner.execute(batch)
-            outputs = self._sample_and_update(sched.seqs, drafts, draft_probs, result, stats)
+            outputs = self._sample_and_update(sched.seqs, drafts, draft_probs, result, stats,
+                                              masks.result() if masks is not None else {})
             # forward + sampling (the sampler's host copy makes this honest on CUDA too)
             self.spec.observe_step(sched.seqs, drafts, time.perf_counter() - t0)
         self.scheduler.remove_finished()
@@ -132,7 +136,7 @@ class Engine:
         return outputs, stats
 
     def _sample_and_update(self, seqs: list[ScheduledSeq], drafts: list[list[int]], draft_probs: list,
-                           result: StepResult, stats: StepStats) -> list[RequestOutput]:
+                           result: StepResult, stats: StepStats, masks: dict) -> list[RequestOutput]:
         batch = result.batch
         computed_before = [s.request.num_computed_tokens for s in seqs]
         inputs: list[SeqSamplingInput] = []
@@ -147,7 +151,7 @@ class Engine:
                 params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids, draft_token_ids=drafts[i],
                 draft_probs=draft_probs[i], generator=self.live[req.request_id].generator,
-                grammar_mask=self._grammar_mask(req, drafts[i], stats)))
+                grammar_mask=self._grammar_mask(req, masks.get(i), len(drafts[i]), stats)))
         sampled: list[SeqSamplingOutput] = []
         if inputs:
             row_idx = torch.cat(rows).to(result.logits.device)
@@ -176,14 +180,26 @@ class Engine:
         self.spec.observe(seqs, computed_before, accepted, result)
         return outputs
 
-    @staticmethod
-    def _grammar_mask(req: Request, drafts: list[int], stats: StepStats) -> torch.Tensor | None:
-        """[len(drafts) + 1, vocab] bool: the grammar's allowed tokens at each verification row (None: free
-        text). A draft the grammar forbids is counted; the verifier rejects it at its position."""
-        if req.grammar is None:
+    def _start_masks(self, seqs: list[ScheduledSeq], drafts: list[list[int]]) -> Future | None:
+        """Structured outputs' masks for this step's rows, computed on a worker thread while the target's
+        forward runs (the grammar library releases the GIL): seq index -> (mask, leading valid drafts)."""
+        work = [(i, s.request.grammar, drafts[i]) for i, s in enumerate(seqs)
+                if s.samples and s.request.grammar is not None]
+        if not work:
             return None
-        mask, n_valid = req.grammar.row_masks(drafts)
-        if n_valid < len(drafts):
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-masks")
+        return self._mask_pool.submit(lambda: {i: grammar.row_masks(d) for i, grammar, d in work})
+
+    @staticmethod
+    def _grammar_mask(req: Request, found: tuple[torch.Tensor, int] | None, num_drafts: int,
+                      stats: StepStats) -> torch.Tensor | None:
+        """[num_drafts + 1, vocab] bool: the grammar's allowed tokens at each verification row (None: free
+        text). A draft the grammar forbids is counted; the verifier rejects it at its position."""
+        if found is None:
+            return None
+        mask, n_valid = found
+        if n_valid < num_drafts:
             req.spec_stats.grammar_rejected += 1
             method = req.spec_params.method
             stats.spec.setdefault(method, SpecStepStats()).num_grammar_rejected += 1
