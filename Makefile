@@ -9,7 +9,7 @@ PORT ?= 8000
 ARGS ?=
 SPECULATORS_PIN := speculators==0.9.0
 
-.PHONY: venv system-deps serve test test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report bench-coupled gpu-check lint clean
+.PHONY: venv system-deps serve test test-structured-soak test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report bench-coupled gpu-check lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ system-deps:
 
 test: venv system-deps
 	$(BIN)/python -m pytest -q -ra
+
+# The structured-output randomized run at 10x make test's size (2000 requests: methods, k, T, schemas).
+test-structured-soak: venv
+	STRUCTURED_FUZZ_REQUESTS=2000 $(BIN)/python -m pytest -q tests/test_structured_fuzz.py
 
 bench-decode: venv
 	$(BIN)/python -m loadtest.bench_decode $(ARGS)

@@ -10,6 +10,18 @@ _INT64_MAX = 2**63 - 1
 # for "greedy" everywhere (sampler, drafters, goodput policy, engine).
 GREEDY_TEMPERATURE = 1e-5
 
+# What a structured-output constraint may be (specserve/grammar compiles it): a JSON schema, any JSON
+# object, a regular expression, one of a list of strings, or a context-free grammar (GBNF/EBNF or Lark).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A constraint on the output text. `value`: the schema as JSON text (json), the regex, the choices
+    as a JSON list of strings (choice), the grammar text (grammar); "" for json_object."""
+    kind: str
+    value: str = ""
+
 
 @dataclass
 class SamplingParams:
@@ -30,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # None = off; N >= 0 = sampled token + top-N alternatives
     include_stop_str_in_output: bool = False
+    structured: StructuredSpec | None = None   # output constrained by a grammar (None = free text)
 
     @property
     def greedy(self) -> bool:

@@ -38,6 +38,7 @@ import torch
 from specserve.sampling import coupled
 from specserve.sampling.batch import RowGroup, SamplingBatch
 from specserve.sampling.draft_distribution import DraftDistribution
+from specserve.sampling.logits_processor import grammar_rows
 from specserve.sampling.logprobs import collect_logprobs
 from specserve.sampling.outputs import SeqSamplingInput, SeqSamplingOutput
 from specserve.sampling.rng import RandomDraws, inverse_cdf
@@ -52,7 +53,7 @@ def _count_accepted(accepted: torch.Tensor,  # [m, max_drafts] bool
 
 def _plain_greedy(seq: SeqSamplingInput) -> bool:
     """Greedy with nothing that edits the scores this step (no penalty, bias, min_tokens ban) and no logprobs:
-    the whole verification is an argmax per row."""
+    the whole verification is an argmax per row (of the grammar-masked rows under a structured output)."""
     p = seq.params
     return (p.greedy and p.logprobs is None and not p.logit_bias and not p.has_penalties
             and p.min_tokens <= len(seq.output_token_ids))
@@ -63,6 +64,11 @@ def _verify_plain_greedy(target_logits: torch.Tensor,  # [sum_i(k_i + 1), vocab]
     """The greedy rule of the module docstring without the batched machinery: one argmax over all rows
     and one device->host copy, then each request's leading run of drafts equal to its rows' argmax.
     (argmax is exact in any dtype, and a bf16 -> float32 cast cannot change it, ties included.)"""
+    grammar = grammar_rows(seqs, target_logits.shape[1], target_logits.device)
+    if grammar is not None:                             # a grammar leaves at least one token in every row
+        rows, allowed = grammar                         # [M], [M, vocab]
+        target_logits = target_logits.index_copy(
+            0, rows, target_logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
     best = target_logits.argmax(dim=-1).tolist()       # [rows]
     outputs, row = [], 0
     for seq in seqs:

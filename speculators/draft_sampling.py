@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specserve.grammar.draft_mask import mask_draft_logits
 from specserve.sampling import coupled
 from specserve.sampling.params import SamplingParams
 from specserve.sampling.rng import inverse_cdf
@@ -55,7 +56,9 @@ def append_drafts(items: Sequence, logits: torch.Tensor,  # [n, vocab] float32, 
 
     items: per-request drafting state with `.request`, `.tokens` and `.probs` lists (draft model, heads).
     The next draft of an item stands at absolute position request.num_tokens + len(item.tokens).
+    A request under a grammar drafts from the masked logits (specserve/grammar/draft_mask.py).
     """
+    logits = mask_draft_logits(items, logits)
     tokens, probs = sample_drafts(logits, [it.request.sampling_params for it in items],
                                   [it.request.num_tokens for it in items], [len(it.tokens) for it in items])
     for item, tok, prob in zip(items, tokens, probs):

@@ -105,8 +105,7 @@ def write_llama(out: Path, seed: int, **overrides) -> Path:
 
 
 def make_engine(model_dir, kv_gb: float = 0.004, **kw) -> OfflineEngine:
-    # Drafter mechanics are tested at the k asked for: the goodput policy's cuts depend on step timings
-    # (on a loaded CPU it may cut every draft) and have their own tests (tests/test_spec_policy.py).
+    """An engine drafting every k asked for (policy fixed unless kw says otherwise): these tests count drafts."""
     kw.setdefault("speculation_policy", "fixed")
     cfg = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", num_threads=1,
                        kv_cache_memory_gb=kv_gb, **kw)

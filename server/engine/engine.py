@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from specserve.grammar.compiler import GrammarCompiler
 from specserve.sampling.outputs import SeqSamplingInput, SeqSamplingOutput
 from specserve.sampling.params import SamplingParams
 from specserve.server.engine.detokenizer import IncrementalDetokenizer
@@ -24,7 +26,7 @@ from specserve.server.engine.request import Request
 from specserve.server.engine.request_checks import RequestChecks
 from specserve.server.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.server.engine.spec_dispatch import SpecDispatcher
-from specserve.server.engine.stats import StepStats
+from specserve.server.engine.stats import SpecStepStats, StepStats
 from specserve.server.engine.tokenizer import Tokenizer
 from specserve.speculators.base import SpecParams
 
@@ -42,8 +44,10 @@ class _Live:
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer: Tokenizer, sampler,
-                 spec: SpecDispatcher, max_model_len: int) -> None:
+                 spec: SpecDispatcher, max_model_len: int, grammars: GrammarCompiler | None = None) -> None:
         self.runner = runner
+        self.grammars = grammars      # compiles structured-output constraints; None: they are refused
+        self._mask_pool: ThreadPoolExecutor | None = None
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.sampler = sampler
@@ -60,6 +64,10 @@ class Engine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.checks.validate(prompt_token_ids, params)
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured outputs are not available on this engine")
+            self.grammars.compile(params.structured)   # GrammarError (a ValueError) names the problem
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     spec: SpecParams, prediction_token_ids: list[int] | None = None,
@@ -69,6 +77,8 @@ class Engine:
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, spec,
                       prediction_token_ids=prediction_token_ids, needs_prompt_logprobs=prompt_logprobs)
+        if params.structured is not None:
+            req.grammar = self.grammars.start(params.structured)   # a cache hit: validate compiled it
         # A seeded request carries no generator: its noise is keyed by position (sampling/coupled.py), so
         # nothing about it has to survive a preemption or depend on how many drafts a step verified.
         stop_ids = set(params.stop_token_ids)
@@ -108,10 +118,12 @@ class Engine:
             outputs = [out] if out is not None else []
         if sched.seqs:
             drafts, draft_probs = self.spec.propose(sched.seqs, stats)
+            masks = self._start_masks(sched.seqs, drafts)
             t0 = time.perf_counter()
             batch = self.runner.prepare(sched.seqs, drafts)
             result = self.runner.execute(batch)
-            outputs = self._sample_and_update(sched.seqs, drafts, draft_probs, result, stats)
+            outputs = self._sample_and_update(sched.seqs, drafts, draft_probs, result, stats,
+                                              masks.result() if masks is not None else {})
             # forward + sampling (the sampler's host copy makes this honest on CUDA too)
             self.spec.observe_step(sched.seqs, drafts, time.perf_counter() - t0)
         self.scheduler.remove_finished()
@@ -121,7 +133,7 @@ class Engine:
         return outputs, stats
 
     def _sample_and_update(self, seqs: list[ScheduledSeq], drafts: list[list[int]], draft_probs: list,
-                           result: StepResult, stats: StepStats) -> list[RequestOutput]:
+                           result: StepResult, stats: StepStats, masks: dict) -> list[RequestOutput]:
         batch = result.batch
         computed_before = [s.request.num_computed_tokens for s in seqs]
         inputs: list[SeqSamplingInput] = []
@@ -135,7 +147,8 @@ class Engine:
             inputs.append(SeqSamplingInput(
                 params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids, draft_token_ids=drafts[i],
-                draft_probs=draft_probs[i]))
+                draft_probs=draft_probs[i],
+                grammar_mask=self._grammar_mask(req, masks.get(i), len(drafts[i]), stats)))
         sampled: list[SeqSamplingOutput] = []
         if inputs:
             row_idx = torch.cat(rows).to(result.logits.device)
@@ -167,6 +180,40 @@ class Engine:
         self.spec.observe(seqs, computed_before, accepted, result)
         return outputs
 
+    def _start_masks(self, seqs: list[ScheduledSeq], drafts: list[list[int]]) -> Future | None:
+        """Structured outputs' masks for this step's rows, computed on a worker thread while the target's
+        forward runs (the grammar library releases the GIL): seq index -> (mask, leading valid drafts)."""
+        work = [(i, s.request.grammar, drafts[i]) for i, s in enumerate(seqs)
+                if s.samples and s.request.grammar is not None]
+        if not work:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-masks")
+        return self._mask_pool.submit(lambda: {i: grammar.row_masks(d) for i, grammar, d in work})
+
+    @staticmethod
+    def _grammar_mask(req: Request, found: tuple[torch.Tensor, int] | None, num_drafts: int,
+                      stats: StepStats) -> torch.Tensor | None:
+        """[num_drafts + 1, vocab] bool: the grammar's allowed tokens at each verification row (None: free
+        text). A draft the grammar forbids is counted; the verifier rejects it at its position."""
+        if found is None:
+            return None
+        mask, n_valid = found
+        if n_valid < num_drafts:
+            req.spec_stats.grammar_rejected += 1
+            method = req.spec_params.method
+            stats.spec.setdefault(method, SpecStepStats()).num_grammar_rejected += 1
+        return mask
+
+    @staticmethod
+    def _grammar_finished(req: Request, tok: int) -> bool:
+        """Advance the request's grammar over an emitted token; True once the constraint is complete (the
+        grammar admits nothing but the end, so the request ends without spending a step on EOS)."""
+        if req.grammar is None:
+            return False
+        req.grammar.commit([tok])
+        return req.grammar.is_finished
+
     def _truncate(self, seq: ScheduledSeq, out: SeqSamplingOutput) -> tuple[SeqSamplingOutput, str | None]:
         """The tokens the request keeps (up to its first stop token, stop string or length limit) and why it
         ends, if it does. num_accepted counts only the kept drafts: the last kept token has no valid KV."""
@@ -185,6 +232,8 @@ class Engine:
                 reason, req.stop_reason = "stop", tok
             elif stop_str is not None:
                 reason, req.stop_reason = "stop", stop_str
+            elif self._grammar_finished(req, tok):
+                reason = "stop"
             elif n_out >= params.max_tokens or req.num_tokens + len(emitted) >= self.max_model_len:
                 reason = "length"
             if reason:

@@ -53,6 +53,10 @@ FIT_DECAY = 0.98          # per step, for the step-time regression
 MIN_FIT_STEPS = 16        # steps observed before the cost model is trusted
 MIN_SPREAD = 1.0          # variance of N (tokens^2) the regression needs to tell t1 from t0
 PRIOR_SAMPLE_WEIGHT = 2.0  # steps' worth of evidence each start-up calibration sample counts for
+# Least t1 / t0 the fit may report. Step times jittered by other work on the machine can flatten the line
+# to t1 ~ 0 ("one more token is free"), after which the policy never cuts. A quiet 2-core CPU measures
+# t1 / t0 ~ 0.045 in fp32; a GPU at small batch is far flatter, so the floor only catches a collapse.
+MIN_T1_RATIO = 1.0 / 64
 # (sequences, query tokens per sequence) timed at start-up: decode and verify shapes at a few batch sizes
 CALIBRATION_SHAPES = ((1, 1), (1, 3), (1, 5), (1, 7), (4, 1), (4, 5), (8, 1), (8, 5))
 CALIBRATION_CONTEXT = 128  # tokens before the verified ones in each calibration sequence
@@ -95,6 +99,9 @@ class StepCostModel:
         t1 = ((self.snt + psnt) / w - mean_n * mean_t) / var
         t1 = max(t1, 1e-7)
         t0 = max(mean_t - t1 * mean_n, 0.0)
+        if t1 < MIN_T1_RATIO * t0:          # a collapsed slope: keep the mean, tilt the line to the floor
+            t1 = MIN_T1_RATIO * mean_t / (1.0 + MIN_T1_RATIO * mean_n)
+            t0 = mean_t - t1 * mean_n
         return t0, t1
 
 
