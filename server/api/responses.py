@@ -65,6 +65,9 @@ class SpeculationInfo(BaseModel):
     num_steps_k_reduced: int = 0          # steps where the server's goodput policy drafted fewer than k
     cuts: dict[str, int] | None = None    # reason -> steps affected
     by_method: dict[str, SpeculationMethodUse] | None = None   # auto: per method it chose
+    # structured outputs: steps where the grammar forbade a draft (rejected at that position; the token
+    # emitted there came from the grammar-masked distribution). Absent for free-text requests.
+    grammar_rejected: int | None = None
     requested: SpeculationRequested | None = None
     notice: str | None = None
 
@@ -99,6 +102,8 @@ class SpeculationInfo(BaseModel):
                    num_steps_k_reduced=cuts.get("load", 0),
                    by_method={m: SpeculationMethodUse(num_steps=r[0], num_draft_tokens=r[1], num_accepted_tokens=r[2])
                               for m, r in used.items()} or None)
+        if any(s.grammar_rejected for s in stats):
+            info.grammar_rejected = sum(s.grammar_rejected for s in stats)
         words = [notice] if notice is not None else []
         words += [f"{CUT_REASONS.get(r, r)} ({n} step{'s' if n != 1 else ''})"
                   for r, n in cuts.items() if r != "prediction_ignored"]
@@ -165,10 +170,22 @@ class ChatLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str                  # JSON text, as OpenAI returns it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -189,9 +206,22 @@ class ChatCompletionResponse(BaseModel):
     speculation: SpeculationInfo | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -20,8 +20,9 @@ depth d_m / n_m per request instead, as if all n_m of them drafted, opened depth
 among many and paid the whole forward for their tokens: at concurrency 16, EAGLE-3 / MTP under this policy
 ran at 0.68-0.79x plain against 0.84-1.08x with k fixed; with depths paid once, 0.85-1.17x.
 
-What it never touches: greedy output (k never changes what a greedy request emits) and seeded sampled
-requests (their k stays as asked, so a seed reproduces the same text whatever the load). It only cuts
+What it never changes: any request's text. k never changes what a greedy request emits, nor what a seeded
+sampled one emits (coupled sampling, sampling/coupled.py: tests/test_seeded_matrix.py shows it for every
+method, both k and token-budget cuts), so it may cut those too. It only cuts
 k, never raises it, and each cut is counted: `spec_decode_refused_total{reason="load"}` and the response's
 `speculation.cuts["load"]` (also `num_steps_k_reduced`). Requests opt out with `"adaptive": false` in their
 `speculation`.
@@ -42,7 +43,6 @@ import time
 from collections.abc import Callable, Sequence
 
 from specserve.server.engine.scheduler import ScheduledSeq
-from specserve.speculators.auto import longest_lookup
 from specserve.speculators.base import attempted_positions
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,10 @@ FIT_DECAY = 0.98          # per step, for the step-time regression
 MIN_FIT_STEPS = 16        # steps observed before the cost model is trusted
 MIN_SPREAD = 1.0          # variance of N (tokens^2) the regression needs to tell t1 from t0
 PRIOR_SAMPLE_WEIGHT = 2.0  # steps' worth of evidence each start-up calibration sample counts for
+# Least t1 / t0 the fit may report. Step times jittered by other work on the machine can flatten the line
+# to t1 ~ 0 ("one more token is free"), after which the policy never cuts. A quiet 2-core CPU measures
+# t1 / t0 ~ 0.045 in fp32; a GPU at small batch is far flatter, so the floor only catches a collapse.
+MIN_T1_RATIO = 1.0 / 64
 # (sequences, query tokens per sequence) timed at start-up: decode and verify shapes at a few batch sizes
 CALIBRATION_SHAPES = ((1, 1), (1, 3), (1, 5), (1, 7), (4, 1), (4, 5), (8, 1), (8, 5))
 CALIBRATION_CONTEXT = 128  # tokens before the verified ones in each calibration sequence
@@ -107,6 +111,9 @@ class StepCostModel:
         t1 = ((self.snt + psnt) / w - mean_n * mean_t) / var
         t1 = max(t1, 1e-7)
         t0 = max(mean_t - t1 * mean_n, 0.0)
+        if t1 < MIN_T1_RATIO * t0:          # a collapsed slope: keep the mean, tilt the line to the floor
+            t1 = MIN_T1_RATIO * mean_t / (1.0 + MIN_T1_RATIO * mean_n)
+            t0 = mean_t - t1 * mean_n
         return t0, t1
 
 
@@ -195,12 +202,10 @@ class GoodputPolicy:
         matches; a model drafter drafts k). Method m verifying L drafts with acceptance a_m yields
         1 + a_m + ... + a_m ** L tokens for a step of t0 + t1 (1 + L) + d_m L seconds; plain decoding
         yields 1 token for t0 + t1. The choice reads the context and past acceptance only, never this
-        step's target (exact). A seeded sampled request must reproduce its text whatever the server's
-        history and load, so it gets `longest_lookup`, which reads its context alone.
+        step's target, and no request's text depends on it: greedy and seeded (coupled) sampling emit the
+        same tokens whatever the drafts, unseeded sampling keeps the target's distribution.
         """
         lengths = {m: min(n, k) for m, n in lengths.items() if not self.is_collapsed(m)}
-        if not _adaptive_sampling(request):       # seeded sampling: the same text whatever the load
-            return longest_lookup(request, k, lengths)
         fit = self.cost.fit()
         t0, t1 = fit if fit is not None else NOMINAL_COST
         best, best_rate = "none", 1.0 / (t0 + t1)
@@ -302,9 +307,5 @@ def _adaptive(seq: ScheduledSeq) -> bool:
     req = seq.request
     if not req.spec_params.adaptive:
         return False
-    return _adaptive_sampling(req)
-
-
-def _adaptive_sampling(req) -> bool:
-    p = req.sampling_params
-    return p.greedy or p.seed is None       # a seeded sampled request keeps its k: the seed must reproduce
+    # No exemption for seeded sampled requests: their text does not depend on k (sampling/coupled.py).
+    return True
