@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
     ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.8])
     ap.add_argument("--prompt-sets", type=lambda s: s.split(","),
-                    default=["code_completion", "code_editing", "docstring_to_code", "prose"])
+                    default=["code_completion", "code_editing", "docstring_to_code", "prose", "repeated"])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts-per-slot", type=int, default=2)
     ap.add_argument("--min-prompts", type=int, default=4)

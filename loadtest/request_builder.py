@@ -6,6 +6,8 @@ def build_request(model: str, row: dict, args, stream: bool = True) -> dict:
     """row: one prompt-set entry {"prompt": ..., "prediction"?: ...}."""
     body = {"model": model, "prompt": row["prompt"], "max_tokens": args.max_tokens,
             "temperature": args.temperature, "stream": stream}
+    if row.get("user"):
+        body["user"] = row["user"]         # the suffix method shares its cache per user
     if stream:
         body["stream_options"] = {"include_usage": True}
     extra = {}

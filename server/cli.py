@@ -19,6 +19,8 @@ from specserve.server.config import (
     DTYPES,
     METRICS_COMPAT,
     SPECULATION_POLICIES,
+    SUFFIX_SCOPES,
+    TOOL_CALL_PARSERS,
     EngineConfig,
     ServerConfig,
     parse_speculation,
@@ -103,10 +105,36 @@ def _speculation_flags(p: argparse.ArgumentParser) -> None:
                         "tokens/s given the request's acceptance so far and the batch's measured step cost "
                         "(never for seeded sampled requests; a request opts out with \"adaptive\": false; "
                         "every cut is counted). fixed: always draft the k asked for (default: %(default)s)")
+    g.add_argument("--suffix-cache-tokens", type=int, default=e.suffix_cache_tokens, metavar="N",
+                   help="token budget of the suffix method's cache of earlier requests' texts, oldest "
+                        "evicted first, about 90 bytes per token; 0 = no cross-request cache "
+                        "(default: %(default)s)")
+    g.add_argument("--suffix-scope", default=e.suffix_scope, choices=SUFFIX_SCOPES,
+                   help="who shares the suffix cache: request = nobody, user = requests with the same "
+                        "API key and OpenAI `user` field, global = every request (draft speed can reveal "
+                        "that similar text was generated before: SECURITY.md). Default: %(default)s")
     g.add_argument("--draft-model", default=e.draft_model, metavar="DIR",
                    help="draft model directory for method 'draft'. Default: none loaded")
     g.add_argument("--eagle3", default=e.eagle3, metavar="DIR",
                    help="EAGLE-3 head directory for method 'eagle3'. Default: none loaded")
+
+
+def _structured_flags(p: argparse.ArgumentParser) -> None:
+    e = EngineConfig()
+    g = p.add_argument_group("structured outputs and tool calls (see SECURITY.md)")
+    g.add_argument("--max-grammar-bytes", type=int, default=e.max_grammar_bytes, metavar="N",
+                   help="largest JSON schema, regex, choice list or grammar a request may send; larger "
+                        "ones get a 400 (default: %(default)s)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=e.grammar_compile_timeout, metavar="SECONDS",
+                   help="longest a constraint may take to compile; then the request gets a 400 "
+                        "(default: %(default)s)")
+    g.add_argument("--grammar-cache-size", type=int, default=e.grammar_cache_size, metavar="N",
+                   help="compiled constraints kept for reuse, least recently used dropped first "
+                        "(default: %(default)s)")
+    g.add_argument("--tool-call-parser", default=e.tool_call_parser, choices=TOOL_CALL_PARSERS,
+                   help="the model family's tool-call format, read from the output when tool_choice is "
+                        "auto: hermes (Hermes/Qwen <tool_call> JSON), llama3_json (Llama 3 JSON), "
+                        "mistral ([TOOL_CALLS]) (default: %(default)s)")
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
@@ -169,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over HTTP", description="Serve a model with an "
                            "OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, "
                            "/v1/speculators, /health, /metrics).")
-    for add in (_engine_flags, _speculation_flags, _server_flags, _limit_flags, _lifecycle_flags):
+    for add in (_engine_flags, _speculation_flags, _structured_flags, _server_flags, _limit_flags,
+                _lifecycle_flags):
         add(serve)
     return parser
 

@@ -15,6 +15,8 @@ from specserve.speculators.base import SpecParams
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATION_POLICIES = ("goodput", "fixed")
 METRICS_COMPAT = ("none", "vllm")        # server/metrics.py: which other names /metrics carries
+SUFFIX_SCOPES = ("request", "user", "global")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")   # server/api/tool_parsers.py
 
 
 @dataclass
@@ -36,12 +38,21 @@ class EngineConfig:
     speculation_policy: str = "goodput"    # goodput = draft only the positions that raise tokens/s; fixed = all k
     draft_model: str | None = None
     eagle3: str | None = None
+    # the suffix method's cross-request cache: its token budget (oldest evicted first; ~90 B per token)
+    # and who shares it (request: nobody; user: same API key and `user` field; global: everyone)
+    suffix_cache_tokens: int = 1_000_000
+    suffix_scope: str = "user"
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
     compile: bool = False  # torch.compile the layer stacks of target and draft model
     engine_process: bool = False  # step the engine in its own process (server/engine/process_engine.py)
     tensor_parallel_size: int = 1  # ranks the target is sharded over (server/engine/tp_runner.py)
+    # structured outputs (specserve/grammar): limits on a constraint's text and compile time, and the LRU size
+    max_grammar_bytes: int = 65536
+    grammar_compile_timeout: float = 5.0   # seconds
+    grammar_cache_size: int = 256
+    tool_call_parser: str = "hermes"       # the model family's tool-call format (TOOL_CALL_PARSERS)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -69,8 +80,20 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.compile:
             raise ValueError("--compile does not support --tensor-parallel-size > 1 (the collectives of a "
                              "sharded forward are not traced); start without one of them")
+        if not 0 <= self.suffix_cache_tokens <= 1 << 30:
+            raise ValueError(f"suffix_cache_tokens must be in [0, 2^30], got {self.suffix_cache_tokens}")
+        if self.suffix_scope not in SUFFIX_SCOPES:
+            raise ValueError(f"suffix_scope must be one of {SUFFIX_SCOPES}, got {self.suffix_scope!r}")
         if self.speculation is not None:
             self._validate_default_speculation(self.speculation)
+        if not 64 <= self.max_grammar_bytes <= 16 * 2**20:
+            raise ValueError(f"max_grammar_bytes must be in [64, 16 MiB], got {self.max_grammar_bytes}")
+        if not 0.01 <= self.grammar_compile_timeout <= 600:
+            raise ValueError(f"grammar_compile_timeout must be in [0.01, 600] s, got {self.grammar_compile_timeout}")
+        if not 1 <= self.grammar_cache_size <= 100_000:
+            raise ValueError(f"grammar_cache_size must be in [1, 100000], got {self.grammar_cache_size}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
 
     def _validate_default_speculation(self, spec: SpecParams) -> None:
         if spec.method not in registry.METHODS:

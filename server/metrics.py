@@ -77,8 +77,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 class _SpecChildren:
     """The labelled children of one (model, method): resolved once, reused every step."""
-    __slots__ = ("_labels", "_per_pos_metric", "accepted", "draft_tokens", "drafts", "per_pos",
-                 "tokens_per_step")
+    __slots__ = ("_labels", "_per_pos_metric", "accepted", "draft_tokens", "drafts", "grammar_rejected",
+                 "per_pos", "tokens_per_step")
 
     def __init__(self, m: Metrics, model_name: str, method: str) -> None:
         self._labels = (model_name, method)
@@ -86,6 +86,7 @@ class _SpecChildren:
         self.draft_tokens = m.spec_draft_tokens.labels(model_name, method)
         self.accepted = m.spec_accepted.labels(model_name, method)
         self.tokens_per_step = m.spec_tokens_per_step.labels(model_name, method)
+        self.grammar_rejected = m.spec_grammar_rejected.labels(model_name, method)
         self._per_pos_metric = m.spec_accepted_per_pos
         self.per_pos: list[Any] = []
 
@@ -193,9 +194,16 @@ class Metrics:
         self.spec_tokens_per_step = self._histogram(
             "spec_decode_tokens_per_step", "Tokens emitted per verification step (accepted + 1).",
             TOKENS_PER_STEP_BUCKETS, m)
+        self.spec_grammar_rejected = self._counter(
+            "spec_decode_grammar_rejected",
+            "Verification steps where a structured-output grammar forbade a draft (rejected at that position).", m)
         self.spec_refused = self._counter("spec_decode_refused",
                                           "Requests whose speculation was refused or reduced, by reason.",
                                           ("reason",))
+        self.spec_collapsed = self._counter(
+            "spec_decode_acceptance_collapse",
+            "Times a method's recent acceptance fell far below its longer history (auto stops choosing it "
+            "for a while).", m)
 
     def _define_latency(self) -> None:
         m = ("method",)
@@ -281,6 +289,8 @@ class Metrics:
             self._on_spec(self._spec_children(c, method), spec)
         for reason, count in stats.spec_refused.items():
             self.spec_refused.labels(c.name, reason).inc(count)
+        for method, count in stats.spec_collapsed.items():
+            self.spec_collapsed.labels(c.name, method).inc(count)
         for timings in stats.finished:
             self._on_finished(c, timings)
 
@@ -290,6 +300,7 @@ class Metrics:
         c.drafts.inc(spec.num_drafts)
         c.draft_tokens.inc(spec.num_draft_tokens)
         c.accepted.inc(spec.num_accepted_tokens)
+        c.grammar_rejected.inc(spec.num_grammar_rejected)
         for pos, count in enumerate(spec.accepted_per_pos):
             c.position(pos).inc(count)
         for tokens in spec.tokens_per_step:

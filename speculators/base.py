@@ -17,6 +17,9 @@ class SpecParams:
     num_speculative_tokens: int = 0
     options: dict[str, Any] = field(default_factory=dict)   # method options, e.g. prompt_lookup_min/max
     adaptive: bool = True      # False: always draft k (the server's goodput policy never cuts it)
+    # who may share cross-request draft caches with this request (the suffix method): set at the HTTP edge
+    # from the API key and the OpenAI `user` field; None: nobody (speculators/suffix.py, SECURITY.md)
+    cache_scope: str | None = None
 
     @property
     def k(self) -> int:
@@ -61,6 +64,18 @@ class SpecStats:
     # reason (CUT_REASONS) -> steps whose drafts were reduced or refused for it; the same reasons and
     # counts go to spec_decode_refused_total
     cuts: dict[str, int] = field(default_factory=dict)
+    grammar_rejected: int = 0      # steps where the request's grammar forbade one of its drafts (rejected there)
+
+    # auto: method -> [steps chosen, draft tokens, accepted tokens, attempted positions]
+    # ("none": the steps it chose plain decoding)
+    by_method: dict[str, list[int]] = field(default_factory=dict)
+
+    def record_method(self, method: str, num_draft: int, num_accepted: int) -> None:
+        row = self.by_method.setdefault(method, [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += num_draft
+        row[2] += num_accepted
+        row[3] += attempted_positions(num_draft, num_accepted) if num_draft else 0
 
     def cut(self, reason: str) -> None:
         self.cuts[reason] = self.cuts.get(reason, 0) + 1
@@ -122,6 +137,8 @@ class SpecRequest(Protocol):
     output_token_ids: list[int]
     block_ids: list[int]                    # the target's KV blocks (a state stash is keyed by their slots)
     spec_stats: SpecStats                   # where a drafter notes a cut (spec_stats.cut(reason)); else read-only
+    grammar: Any                            # structured output's GrammarState (None: free text); drafters mask
+                                            # their logits with it (specserve/grammar/draft_mask.py)
 
     @property
     def num_tokens(self) -> int: ...        # prompt + output tokens known so far
@@ -130,6 +147,9 @@ class SpecRequest(Protocol):
     def all_token_ids(self) -> list[int]: ...
 
     def token_slice(self, start: int, end: int) -> list[int]: ...
+
+    @property
+    def is_finished(self) -> bool: ...      # released because it ended (not preempted)
 
 
 class TargetModel(Protocol):
@@ -159,6 +179,8 @@ class BuildContext:
     kv_dtype: torch.dtype
     model_dtype: torch.dtype
     stash_states: bool                      # prefix caching on: heads keep a per-slot state stash
+    suffix_cache_tokens: int = 1_000_000    # the suffix method's cross-request cache budget (tokens)
+    suffix_scope: str = "user"              # request | user | global: who shares that cache
     target: TargetModel | None = None
     loaded: dict[str, Speculator] = field(default_factory=dict)
 

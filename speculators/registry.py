@@ -42,6 +42,8 @@ TABLE: list[Method] = [
     Method("draft", _P + "draft_model:DraftModelSpeculator", "--draft-model DIR, or the embedded family's draft",
            model_based=True),
     Method("hybrid", _P + "hybrid:HybridSpeculator", "any model-based drafter (eagle3, mtp or draft)"),
+    Method("suffix", _P + "suffix:SuffixSpeculator", "always (drafts from this and earlier requests' texts)"),
+    Method("auto", _P + "auto:AutoSpeculator", "always (chooses among the other loaded methods per step)"),
 ]
 BY_NAME: dict[str, Method] = {}
 METHODS: tuple[str, ...] = ()

@@ -59,7 +59,8 @@ def test_compiled_stack_matches_eager(tiny_model_dir):
 @pytest.fixture(scope="module")
 def compiled_engine(tiny_model_dir):
     cfg = EngineConfig(model=str(tiny_model_dir), draft_model=str(tiny_model_dir), dtype="float32",
-                       device="cpu", num_threads=1, kv_cache_memory_gb=0.02, compile=True)
+                       device="cpu", num_threads=1, kv_cache_memory_gb=0.02, compile=True,
+                       speculation_policy="fixed")
     return OfflineEngine.from_config(cfg)
 
 

@@ -79,7 +79,7 @@ def test_all_fp32_draft_keeps_greedy_speculation_exact_and_target_untouched(monk
     monkeypatch.setattr(latency_tuning, "route_times", lambda linear: (1.0, 0.1))    # every drafter linear
     eng = OfflineEngine.from_config(EngineConfig(model=str(tiny_model_dir), draft_model=str(tiny_model_dir),
                                                  dtype="float32", device="cpu", num_threads=1,
-                                                 kv_cache_memory_gb=0.02))
+                                                 kv_cache_memory_gb=0.02, speculation_policy="fixed"))
     draft = eng.engine.spec.speculators["draft"].model
     target = eng.engine.runner.model
     draft_linears = [m for m in draft.modules() if isinstance(m, Linear)]

@@ -9,6 +9,7 @@ from specserve.server.engine.scheduler import ScheduledSeq
 from specserve.server.engine.spec_policy import (
     CALIBRATION_SHAPES,
     MIN_FIT_STEPS,
+    MIN_T1_RATIO,
     GoodputPolicy,
     StepCostModel,
 )
@@ -47,6 +48,30 @@ def test_cost_model_recovers_the_line_and_waits_for_spread():
         m.observe(1, 2 * T0 + T1)
         m.observe(30, 2 * T0 + 30 * T1)
     assert m.fit()[0] == pytest.approx(2 * T0, rel=0.01)
+
+
+def test_a_slope_flattened_by_noise_is_floored_and_the_policy_still_cuts():
+    import random
+    rng = random.Random(0)
+    p = GoodputPolicy()
+    for i in range(200):
+        n = 1 + (i * 7) % 80
+        # other work on the machine: big jitter that hides the per-token cost, larger on small steps
+        p.observe_step(n, T0 + T1 * n + rng.uniform(0, 0.4) * (80 - n) / 80)
+    naive = StepCostModel()
+    naive.w, naive.sn, naive.snn, naive.st, naive.snt, naive.steps = (
+        p.cost.w, p.cost.sn, p.cost.snn, p.cost.st, p.cost.snt, p.cost.steps)
+    w = naive.w
+    slope = (naive.snt / w - naive.sn / w * naive.st / w) / (naive.snn / w - (naive.sn / w) ** 2)
+    assert slope < 0                              # the raw regression says extra tokens are free
+    t0, t1 = p.cost.fit()
+    assert t1 == pytest.approx(MIN_T1_RATIO * t0)
+    mean_n, mean_t = p.cost.sn / p.cost.w, p.cost.st / p.cost.w
+    assert t0 + t1 * mean_n == pytest.approx(mean_t)  # the floored line still passes through the mean
+    poor = [seq(f"p{i}", 4, accepted=2, attempted=100) for i in range(16)]     # alpha ~0.04
+    assert p.trim(poor) == 16 and all(s.num_draft_slots == 0 for s in poor)
+    alone = seq("a", 4, accepted=60, attempted=100)
+    assert p.trim([alone]) == 0 and alone.num_draft_slots == 4
 
 
 def test_no_cut_before_the_cost_model_is_trusted():
@@ -114,7 +139,8 @@ def test_a_draft_models_depth_is_paid_once_so_few_takers_do_not_open_it():
     assert [s.num_draft_slots for s in mixed[:2]] == [2, 2] and all(s.num_draft_slots == 0 for s in mixed[2:])
 
 
-def test_seeded_sampling_and_opt_out_keep_their_k():
+def test_seeded_sampling_is_cut_like_any_request_and_opt_out_keeps_its_k():
+    # seeded text does not depend on k (coupled sampling: tests/test_seeded_matrix.py), so no exemption
     p = fitted_policy()
     poor = {"accepted": 2, "attempted": 100}
     seeded = seq("s", 4, temperature=0.8, seed=7, **poor)
@@ -124,8 +150,9 @@ def test_seeded_sampling_and_opt_out_keep_their_k():
     opted_out = ScheduledSeq(req, 1, 4)
     crowd = [seq(f"c{i}", 4, **poor) for i in range(14)]
     p.trim([seeded, unseeded, opted_out, *crowd])
-    assert seeded.num_draft_slots == 4 and opted_out.num_draft_slots == 4
-    assert unseeded.num_draft_slots == 0
+    assert opted_out.num_draft_slots == 4
+    assert seeded.num_draft_slots == unseeded.num_draft_slots == 0
+    assert seeded.request.spec_stats.cuts == {"load": 1}
 
 
 def test_acceptance_prior_comes_from_the_method_history():

@@ -6,9 +6,10 @@ vLLM do). An explicit max_tokens that does not fit is a 400 with code `context_l
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
-from specserve.sampling.params import SamplingParams
+from specserve.sampling.params import SamplingParams, StructuredSpec
 from specserve.server.api.errors import bad_request
 from specserve.server.api.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.speculators.base import SpecParams
@@ -56,7 +57,8 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str, allow_emp
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
-                    logprobs: int | None, index: int, vocab_size: int) -> SamplingParams:
+                    logprobs: int | None, index: int, vocab_size: int,
+                    structured: StructuredSpec | None = None) -> SamplingParams:
     """SamplingParams for choice `index` of the request (n is fanned out by the caller: n=1 here)."""
     params = SamplingParams(
         n=1,
@@ -76,6 +78,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        structured=structured,
     )
     check_token_ids(list(req.logit_bias or ()), vocab_size, "logit_bias", allow_empty=True)
     check_token_ids(list(req.stop_token_ids or ()), vocab_size, "stop_token_ids", allow_empty=True)
@@ -113,6 +116,15 @@ def speculation(engine: Any, req: CompletionRequest | ChatCompletionRequest
     if req.prediction is not None and notice is None and spec.method != "prediction":
         notice = f"prediction ignored: the request chose speculation method {spec.method!r}"
     return spec, notice
+
+
+def cache_scope(api_key: str | None, user: str | None) -> str | None:
+    """Who may share cross-request draft caches with this request (SpecParams.cache_scope): the holders of
+    the server's API key with the same OpenAI `user` field. None (no key configured and no `user`): an
+    anonymous request shares with nobody. A digest, so the key itself never reaches the engine."""
+    if api_key is None and user is None:
+        return None
+    return hashlib.sha256(f"{api_key or ''}\0{user or ''}".encode()).hexdigest()
 
 
 def _or(value: Any, default: Any) -> Any:

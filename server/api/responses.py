@@ -38,6 +38,13 @@ class SpeculationRequested(BaseModel):
     num_speculative_tokens: int
 
 
+class SpeculationMethodUse(BaseModel):
+    """`auto`: what one method did for the request (`none`: the steps auto chose plain decoding)."""
+    num_steps: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
 class SpeculationInfo(BaseModel):
     """What speculation did for this request (summed over its choices).
 
@@ -57,6 +64,10 @@ class SpeculationInfo(BaseModel):
     accepted_per_position: list[int] = Field(default_factory=list)
     num_steps_k_reduced: int = 0          # steps where the server's goodput policy drafted fewer than k
     cuts: dict[str, int] | None = None    # reason -> steps affected
+    by_method: dict[str, SpeculationMethodUse] | None = None   # auto: per method it chose
+    # structured outputs: steps where the grammar forbade a draft (rejected at that position; the token
+    # emitted there came from the grammar-masked distribution). Absent for free-text requests.
+    grammar_rejected: int | None = None
     requested: SpeculationRequested | None = None
     notice: str | None = None
 
@@ -75,6 +86,12 @@ class SpeculationInfo(BaseModel):
         for s in stats:
             for reason, count in s.cuts.items():
                 cuts[reason] = cuts.get(reason, 0) + count
+        used: dict[str, list[int]] = {}
+        for s in stats:
+            for m, row in s.by_method.items():
+                acc = used.setdefault(m, [0, 0, 0])
+                for j in range(3):
+                    acc[j] += row[j]
         method = stats[0].method if stats else requested.method
         k = stats[0].k if stats else requested.k
         info = cls(method=method, num_speculative_tokens=k, num_drafts=drafts,
@@ -82,7 +99,11 @@ class SpeculationInfo(BaseModel):
                    acceptance_rate=accepted / draft_tokens if draft_tokens else None,
                    mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
                    accepted_per_position=per_pos, cuts=cuts or None,
-                   num_steps_k_reduced=cuts.get("load", 0))
+                   num_steps_k_reduced=cuts.get("load", 0),
+                   by_method={m: SpeculationMethodUse(num_steps=r[0], num_draft_tokens=r[1], num_accepted_tokens=r[2])
+                              for m, r in used.items()} or None)
+        if any(s.grammar_rejected for s in stats):
+            info.grammar_rejected = sum(s.grammar_rejected for s in stats)
         words = [notice] if notice is not None else []
         words += [f"{CUT_REASONS.get(r, r)} ({n} step{'s' if n != 1 else ''})"
                   for r, n in cuts.items() if r != "prediction_ignored"]
@@ -149,10 +170,22 @@ class ChatLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str                  # JSON text, as OpenAI returns it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -173,9 +206,22 @@ class ChatCompletionResponse(BaseModel):
     speculation: SpeculationInfo | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

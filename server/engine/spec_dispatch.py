@@ -8,6 +8,11 @@ A head that keeps a state stash (`records_states`) passes over, in its own obser
 not drafted for since it last observed them (e.g. the goodput policy cut them to no drafts) and catches
 up from the stash, in one forward, the next time it drafts (speculators/hidden_drafter.py). Under load,
 where the policy cuts most drafts, the heads then cost (almost) nothing.
+
+`auto` requests (speculators/auto.py) get a method per step before the policy trims: the goodput
+policy's `choose_method` picks it from the lookups' draft lengths, the request's acceptance per method and
+the measured costs; the step is then booked under the chosen method (metrics' `method` label, the
+request's `speculation.by_method`).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch
 from specserve.sampling.outputs import SeqSamplingOutput
 from specserve.server.engine.request import Request
 from specserve.server.engine.scheduler import ScheduledSeq
+from specserve.server.engine.spec_policy import GoodputPolicy
 from specserve.server.engine.stats import SpecStepStats, StepStats
 from specserve.speculators import registry
 from specserve.speculators.base import Speculator, VerifiedStep, count_accepted_positions
@@ -37,6 +43,13 @@ class SpecDispatcher:
     def __init__(self, speculators: dict[str, Speculator] | None = None, policy=None) -> None:
         self.speculators = dict(speculators or {})    # method -> Speculator
         self.policy = policy                          # GoodputPolicy or None: learns draft costs and acceptance
+        self._auto_policy = GoodputPolicy()           # auto's estimates when the server runs no policy
+        self._chosen: dict[str, str] = {}             # auto request id -> its method this step
+
+    @property
+    def learner(self) -> GoodputPolicy:
+        """Where acceptance and draft costs are learned: the goodput policy, else auto's own."""
+        return self.policy if self.policy is not None else self._auto_policy
 
     @property
     def methods(self) -> list[str]:
@@ -48,23 +61,26 @@ class SpecDispatcher:
 
     def propose(self, seqs: list[ScheduledSeq], stats: StepStats
                 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        methods = self._choose(seqs)
         if self.policy is not None:          # cuts num_draft_slots where drafting does not pay; counted
-            cut = self.policy.trim(seqs)
+            cut = self.policy.trim(seqs, methods)
             if cut:
                 stats.spec_refused["load"] = stats.spec_refused.get("load", 0) + cut
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[torch.Tensor | None] = [None for _ in seqs]
-        groups: dict[str, list[int]] = {}
+        groups: dict[tuple[str, bool], list[int]] = {}     # (method, chosen by auto) -> seqs
         for i, seq in enumerate(seqs):
             if seq.num_draft_slots > 0:
-                groups.setdefault(seq.request.spec_params.method, []).append(i)
-        for method, idx in groups.items():
-            spec = self.speculators[method]
+                groups.setdefault((methods[i], seq.request.spec_params.method == "auto"), []).append(i)
+        for (method, by_auto), idx in groups.items():
             ks = [seqs[i].num_draft_slots for i in idx]
+            reqs = [seqs[i].request for i in idx]
             t0 = time.perf_counter()
-            proposal = spec.propose([seqs[i].request for i in idx], ks)
-            if self.policy is not None:
-                self.policy.observe_propose(method, time.perf_counter() - t0, max(ks))
+            if by_auto:
+                proposal = self.speculators["auto"].drafts(method, reqs, ks)
+            else:
+                proposal = self.speculators[method].propose(reqs, ks)
+            self.learner.observe_propose(method, time.perf_counter() - t0, max(ks))
             for j, i in enumerate(idx):
                 k = seqs[i].num_draft_slots
                 drafts[i] = list(proposal.token_ids[j][:k])
@@ -73,12 +89,34 @@ class SpecDispatcher:
         self._drain_refusals(stats)
         return drafts, probs
 
+    def _choose(self, seqs: list[ScheduledSeq]) -> list[str]:
+        """Each seq's method this step: its own, or for `auto` the chosen one ("none": no drafts)."""
+        methods = [seq.request.spec_params.method for seq in seqs]
+        self._chosen = {}
+        auto = [i for i, m in enumerate(methods) if m == "auto" and "auto" in self.speculators]
+        if not auto:
+            return methods
+        live = [i for i in auto if seqs[i].num_draft_slots > 0]
+        learner = self.learner
+        choices = self.speculators["auto"].choose([seqs[i].request for i in live],
+                                                  [seqs[i].num_draft_slots for i in live],
+                                                  learner.choose_method) if live else []
+        chosen = dict(zip(live, choices))
+        for i in auto:
+            methods[i] = chosen.get(i, "none")
+            if methods[i] == "none":
+                seqs[i].num_draft_slots = 0
+            self._chosen[seqs[i].request.request_id] = methods[i]
+        return methods
+
     def _drain_refusals(self, stats: StepStats) -> None:
         """Model-based drafters count what they could not do (no KV room: no drafts this step, or a cached
         prompt prefix left unseen); it goes to spec_decode_refused_total by reason."""
         for spec in self.speculators.values():
             for reason, count in spec.drain_refusals().items():
                 stats.spec_refused[reason] = stats.spec_refused.get(reason, 0) + count
+        for method, count in self.learner.drain_collapses().items():
+            stats.spec_collapsed[method] = stats.spec_collapsed.get(method, 0) + count
 
     def observe_step(self, seqs: list[ScheduledSeq], drafts: list[list[int]], seconds: float) -> None:
         """Step time for the policy's cost fit: pure decode/verify steps only (no prefill rows)."""
@@ -92,10 +130,11 @@ class SpecDispatcher:
         requests/sampled/drafts are aligned: the requests that sampled this step.
         """
         for req, out, d in zip(requests, sampled, drafts):
-            method = req.spec_params.method
+            method = self._chosen.get(req.request_id, req.spec_params.method)
             req.spec_stats.record(len(d), out.num_accepted)
-            if self.policy is not None:
-                self.policy.observe_acceptance(method, len(d), out.num_accepted)
+            if req.request_id in self._chosen:
+                req.spec_stats.record_method(method, len(d), out.num_accepted)
+            self.learner.observe_acceptance(method, len(d), out.num_accepted)
             if d:
                 self._book_step(stats.spec.setdefault(method, SpecStepStats()), len(d), out.num_accepted)
 

@@ -20,8 +20,9 @@ depth d_m / n_m per request instead, as if all n_m of them drafted, opened depth
 among many and paid the whole forward for their tokens: at concurrency 16, EAGLE-3 / MTP under this policy
 ran at 0.68-0.79x plain against 0.84-1.08x with k fixed; with depths paid once, 0.85-1.17x.
 
-What it never touches: greedy output (k never changes what a greedy request emits) and seeded sampled
-requests (their k stays as asked, so a seed reproduces the same text whatever the load). It only cuts
+What it never changes: any request's text. k never changes what a greedy request emits, nor what a seeded
+sampled one emits (coupled sampling, sampling/coupled.py: tests/test_seeded_matrix.py shows it for every
+method, both k and token-budget cuts), so it may cut those too. It only cuts
 k, never raises it, and each cut is counted: `spec_decode_refused_total{reason="load"}` and the response's
 `speculation.cuts["load"]` (also `num_steps_k_reduced`). Requests opt out with `"adaptive": false` in their
 `speculation`.
@@ -38,7 +39,8 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from specserve.server.engine.scheduler import ScheduledSeq
 from specserve.speculators.base import attempted_positions
@@ -52,9 +54,24 @@ FIT_DECAY = 0.98          # per step, for the step-time regression
 MIN_FIT_STEPS = 16        # steps observed before the cost model is trusted
 MIN_SPREAD = 1.0          # variance of N (tokens^2) the regression needs to tell t1 from t0
 PRIOR_SAMPLE_WEIGHT = 2.0  # steps' worth of evidence each start-up calibration sample counts for
+# Least t1 / t0 the fit may report. Step times jittered by other work on the machine can flatten the line
+# to t1 ~ 0 ("one more token is free"), after which the policy never cuts. A quiet 2-core CPU measures
+# t1 / t0 ~ 0.045 in fp32; a GPU at small batch is far flatter, so the floor only catches a collapse.
+MIN_T1_RATIO = 1.0 / 64
 # (sequences, query tokens per sequence) timed at start-up: decode and verify shapes at a few batch sizes
 CALIBRATION_SHAPES = ((1, 1), (1, 3), (1, 5), (1, 7), (4, 1), (4, 5), (8, 1), (8, 5))
 CALIBRATION_CONTEXT = 128  # tokens before the verified ones in each calibration sequence
+# Acceptance collapse: a method whose recent acceptance (FAST_DECAY, about the last 30 verifications) falls
+# below COLLAPSE_RATIO x its longer history (METHOD_DECAY) is reported once per COLLAPSE_WINDOW_S and not
+# chosen by `auto` for that window; it needs COLLAPSE_MIN_ATTEMPTED positions of evidence in both.
+FAST_DECAY = 0.97
+COLLAPSE_RATIO = 0.3
+COLLAPSE_MIN_BASELINE = 0.2
+COLLAPSE_MIN_ATTEMPTED = 20.0
+COLLAPSE_WINDOW_S = 60.0
+# step cost assumed by `auto` before the fit is usable: a CPU decode step where one more verified row
+# costs 5 %
+NOMINAL_COST = (1.0, 0.05)
 
 
 class StepCostModel:
@@ -94,11 +111,18 @@ class StepCostModel:
         t1 = ((self.snt + psnt) / w - mean_n * mean_t) / var
         t1 = max(t1, 1e-7)
         t0 = max(mean_t - t1 * mean_n, 0.0)
+        if t1 < MIN_T1_RATIO * t0:          # a collapsed slope: keep the mean, tilt the line to the floor
+            t1 = MIN_T1_RATIO * mean_t / (1.0 + MIN_T1_RATIO * mean_n)
+            t0 = mean_t - t1 * mean_n
         return t0, t1
 
 
 class GoodputPolicy:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.fast_acc: dict[str, list[float]] = {}             # method -> [accepted, attempted], fast decay
+        self.collapsed_until: dict[str, float] = {}            # method -> end of its collapse window
+        self.collapses: dict[str, int] = {}                    # method -> reports not yet drained (metrics)
         self.cost = StepCostModel()
         self.calibration: list[tuple[int, float]] = []        # start-up (num_tokens, seconds) samples
         self.draft_step_s: dict[str, float] = {}              # method -> EMA seconds per draft step
@@ -123,9 +147,34 @@ class GoodputPolicy:
     def observe_acceptance(self, method: str, num_draft: int, num_accepted: int) -> None:
         if num_draft <= 0:
             return
+        attempted = attempted_positions(num_draft, num_accepted)
         acc = self.method_acc.setdefault(method, [0.0, 0.0])
+        baseline = acc[0] / acc[1] if acc[1] >= COLLAPSE_MIN_ATTEMPTED else None   # before this step
         acc[0] = acc[0] * METHOD_DECAY + num_accepted
-        acc[1] = acc[1] * METHOD_DECAY + attempted_positions(num_draft, num_accepted)
+        acc[1] = acc[1] * METHOD_DECAY + attempted
+        fast = self.fast_acc.setdefault(method, [0.0, 0.0])
+        fast[0] = fast[0] * FAST_DECAY + num_accepted
+        fast[1] = fast[1] * FAST_DECAY + attempted
+        if (baseline is not None and baseline >= COLLAPSE_MIN_BASELINE and fast[1] >= COLLAPSE_MIN_ATTEMPTED
+                and fast[0] / fast[1] < COLLAPSE_RATIO * baseline):
+            self._collapse(method, fast[0] / fast[1], baseline)
+
+    def _collapse(self, method: str, recent: float, baseline: float) -> None:
+        now = self.clock()
+        if now < self.collapsed_until.get(method, -1.0):
+            return                                              # reported in this window already
+        self.collapsed_until[method] = now + COLLAPSE_WINDOW_S
+        self.collapses[method] = self.collapses.get(method, 0) + 1
+        log.warning("speculation method %s: acceptance collapsed to %.2f (recent) from %.2f; auto will not "
+                    "choose it for %.0f s (a drafter that no longer matches the target?)",
+                    method, recent, baseline, COLLAPSE_WINDOW_S)
+
+    def is_collapsed(self, method: str) -> bool:
+        return self.clock() < self.collapsed_until.get(method, -1.0)
+
+    def drain_collapses(self) -> dict[str, int]:
+        out, self.collapses = self.collapses, {}
+        return out
 
     def alpha(self, method: str, accepted: int, attempted: int) -> float:
         """A request's acceptance estimate: its own counts, shrunk towards its method's history, which is
@@ -136,13 +185,48 @@ class GoodputPolicy:
         prior = (acc + PRIOR_WEIGHT * PRIOR_ALPHA) / (att + PRIOR_WEIGHT)
         return min((accepted + PRIOR_WEIGHT * prior) / (attempted + PRIOR_WEIGHT), 0.999)
 
+    def request_alpha(self, request, method: str) -> float:
+        """The request's acceptance estimate for `method`: its own counts with that method (`auto` keeps
+        them per method chosen), shrunk towards the method's server history."""
+        stats = request.spec_stats
+        if request.spec_params.method == method:
+            return self.alpha(method, stats.num_accepted_tokens, stats.num_attempted_positions)
+        row = stats.by_method.get(method)
+        return self.alpha(method, row[2], row[3]) if row else self.alpha(method, 0, 0)
+
     # -- deciding ------------------------------------------------------------------------------------
-    def trim(self, seqs: Sequence[ScheduledSeq]) -> int:
-        """Lower num_draft_slots where drafting does not pay; returns how many requests were cut."""
+    def choose_method(self, request, k: int, lengths: dict[str, int]) -> str:
+        """`auto`: the candidate with the most expected tokens per second this step, or "none".
+
+        lengths: method -> how many drafts it would verify (a context lookup knows: 0 when nothing
+        matches; a model drafter drafts k). Method m verifying L drafts with acceptance a_m yields
+        1 + a_m + ... + a_m ** L tokens for a step of t0 + t1 (1 + L) + d_m L seconds; plain decoding
+        yields 1 token for t0 + t1. The choice reads the context and past acceptance only, never this
+        step's target, and no request's text depends on it: greedy and seeded (coupled) sampling emit the
+        same tokens whatever the drafts, unseeded sampling keeps the target's distribution.
+        """
+        lengths = {m: min(n, k) for m, n in lengths.items() if not self.is_collapsed(m)}
+        fit = self.cost.fit()
+        t0, t1 = fit if fit is not None else NOMINAL_COST
+        best, best_rate = "none", 1.0 / (t0 + t1)
+        for method, n in lengths.items():
+            if n <= 0:
+                continue
+            a = self.request_alpha(request, method)
+            tokens = sum(a ** j for j in range(n + 1))
+            rate = tokens / (t0 + t1 * (1 + n) + self.draft_step_s.get(method, 0.0) * n)
+            if rate > best_rate:
+                best, best_rate = method, rate
+        return best
+
+    def trim(self, seqs: Sequence[ScheduledSeq], methods: Sequence[str] | None = None) -> int:
+        """Lower num_draft_slots where drafting does not pay; returns how many requests were cut.
+        methods: the method each seq drafts with this step (default its own; `auto` chose one)."""
         fit = self.cost.fit()
         if fit is None:
             return 0
         t0, t1 = fit
+        method_of = {id(s): m for s, m in zip(seqs, methods)} if methods is not None else {}
         adaptive = [s for s in seqs if s.num_draft_slots > 0 and _adaptive(s)]
         if not adaptive:
             return 0
@@ -150,8 +234,8 @@ class GoodputPolicy:
         n_tokens = sum(s.num_new_tokens + (0 if id(s) in chosen else s.num_draft_slots) for s in seqs)
         gained = float(sum(1 for s in seqs if s.samples))          # tokens per step without drafts
         seconds = t0 + t1 * n_tokens
-        alphas = [self.alpha(s.request.spec_params.method, s.request.spec_stats.num_accepted_tokens,
-                             s.request.spec_stats.num_attempted_positions) for s in adaptive]
+        seq_methods = [method_of.get(id(s), s.request.spec_params.method) for s in adaptive]
+        alphas = [self.request_alpha(s.request, m) for s, m in zip(adaptive, seq_methods)]
         keep = [0] * len(adaptive)
         # Heap entries (-gain / cost, tiebreak, method or None, depth, members). A method whose drafting is a
         # forward per depth (d_m > 0) opens a depth for a group: one d_m however many of its requests draft
@@ -160,8 +244,7 @@ class GoodputPolicy:
             return n * t1 + (self.draft_step_s[m] if m is not None else 0.0)
         heap: list = []
         groups: dict[str, list[int]] = {}
-        for i, s in enumerate(adaptive):
-            m = s.request.spec_params.method
+        for i, m in enumerate(seq_methods):
             if self.draft_step_s.get(m, 0.0) > 0.0:
                 groups.setdefault(m, []).append(i)
             else:
@@ -224,5 +307,5 @@ def _adaptive(seq: ScheduledSeq) -> bool:
     req = seq.request
     if not req.spec_params.adaptive:
         return False
-    p = req.sampling_params
-    return p.greedy or p.seed is None       # a seeded sampled request keeps its k: the seed must reproduce
+    # No exemption for seeded sampled requests: their text does not depend on k (sampling/coupled.py).
+    return True

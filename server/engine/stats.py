@@ -12,6 +12,7 @@ class SpecStepStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)    # [max k in step]
     tokens_per_step: list[int] = field(default_factory=list)     # per verifying request: accepted + 1
+    num_grammar_rejected: int = 0    # requests whose drafts the grammar forbade at some position this step
 
 
 @dataclass
@@ -37,4 +38,5 @@ class StepStats:
     num_generation_tokens: int = 0    # tokens emitted this step
     spec: dict[str, SpecStepStats] = field(default_factory=dict)   # method -> counters
     spec_refused: dict[str, int] = field(default_factory=dict)     # reason -> requests refused/reduced this step
+    spec_collapsed: dict[str, int] = field(default_factory=dict)   # method -> acceptance collapses reported
     finished: list[RequestTimings] = field(default_factory=list)

@@ -1,0 +1,122 @@
+"""`auto`: each step, each request drafts with the loaded method expected to pay most, or none.
+
+The members are every other loaded method but `prediction` (it needs a request's own prediction).
+Context lookups (suffix, ngram) draft first, in microseconds, so the choice knows whether they have a
+draft and how long it is; a model drafter (draft, eagle3, mtp, hybrid) is assumed to draft k. A chooser
+then picks per request from those lengths and what the request and the server have accepted per method:
+the engine's goodput policy (server/engine/spec_policy.py `choose_method`: expected tokens per second,
+from the measured step cost and draft cost per depth), else `longest_lookup`. Only the chosen model
+drafter runs; the lookups' drafts are reused.
+
+Why it stays exact: the choice reads the context and past acceptance, never this step's target logits,
+and each method's drafts come with that method's own draft distribution.
+
+Keeping stateful members in sync: every member that observes target states (a draft model's KV, an
+EAGLE-3 / MTP head) observes every step of every `auto` request, as under the hybrid; a head with a
+state stash passes over the steps it did not draft and catches up from the stash, in one forward, when
+it is next chosen (speculators/hidden_drafter.py). Every member forgets a released request, and the
+suffix cache receives its finished output whichever method drafted it.
+
+Worked example, k = 8: an agent repeats an earlier request -> suffix has 8 drafts (the earlier answer)
+and wins; a step later the answer departs from the earlier one and no lookup matches -> a model drafter
+if loaded and its acceptance pays for its draft forwards, else plain decoding for that step.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from specserve.speculators.base import BuildContext, DraftProposal, SpecRequest, Speculator, VerifiedStep
+
+LOOKUPS = ("suffix", "ngram")           # members whose draft is known before choosing (no model)
+NOT_MEMBERS = ("prediction",)
+MIN_LOOKUP = 2                          # longest_lookup: drafts below this fall to a model drafter
+
+# chooser(request, k, lengths: method -> drafts it would verify) -> a member's name or "none"
+Chooser = Callable[[SpecRequest, int, dict[str, int]], str]
+
+
+def longest_lookup(request: SpecRequest, k: int, lengths: dict[str, int]) -> str:
+    """The chooser without a cost model: the longest lookup draft (>= MIN_LOOKUP), else the first model
+    drafter, else the longest lookup draft, else none."""
+    lookups = {m: n for m, n in lengths.items() if m in LOOKUPS and n > 0}
+    best = max(lookups, key=lookups.get, default=None)
+    if best is not None and lookups[best] >= MIN_LOOKUP:
+        return best
+    model = next((m for m in lengths if m not in LOOKUPS), None)
+    return model or best or "none"
+
+
+class AutoSpeculator(Speculator):
+    name = "auto"
+
+    def __init__(self, loaded: dict[str, Speculator]) -> None:
+        # the engine's table of loaded speculators, read when used: methods registered after this one
+        # (a plugin's) are members too
+        self._loaded = loaded
+        self._seen: tuple[int, ...] = ()
+        self.members: dict[str, Speculator] = {}
+        self.synced: list[Speculator] = []       # distinct members that observe target states
+        self.chooser: Chooser = longest_lookup
+        self._lookup_drafts: dict[str, dict[str, list[int]]] = {}    # request id -> method -> draft
+        self._refresh()
+
+    def _refresh(self) -> None:
+        now = tuple(id(s) for s in self._loaded.values())
+        if now == self._seen:
+            return
+        self._seen = now
+        self.members = {m: s for m, s in self._loaded.items() if m not in NOT_MEMBERS and s is not self}
+        synced: dict[int, Speculator] = {}
+        for spec in self.members.values():
+            spec = getattr(spec, "fallback", spec)          # the hybrid's drafter is a member's object
+            if type(spec).observe is not Speculator.observe:
+                synced[id(spec)] = spec
+        self.synced = list(synced.values())
+
+    @classmethod
+    def build(cls, ctx: BuildContext) -> AutoSpeculator:
+        return cls(ctx.loaded)
+
+    def choose(self, requests: Sequence[SpecRequest], ks: Sequence[int],
+               chooser: Chooser | None = None) -> list[str]:
+        """The method each request drafts with this step ("none": plain decoding)."""
+        self._refresh()
+        chooser = chooser or self.chooser
+        found = {m: self.members[m].propose(requests, ks).token_ids for m in LOOKUPS if m in self.members}
+        choices = []
+        for i, (req, k) in enumerate(zip(requests, ks)):
+            drafts = {m: found[m][i] for m in found}
+            self._lookup_drafts[req.request_id] = drafts
+            lengths = {m: (len(drafts[m]) if m in drafts else k) for m in self.members}
+            choices.append(chooser(req, k, lengths) if k > 0 else "none")
+        return choices
+
+    def drafts(self, method: str, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
+        """Member `method`'s drafts for requests that chose it: a lookup's from `choose`, else its own."""
+        if method in LOOKUPS:
+            ids = [self._lookup_drafts.get(r.request_id, {}).get(method, [])[:k] for r, k in zip(requests, ks)]
+            return DraftProposal(ids, [None] * len(ids))
+        return self.members[method].propose(requests, ks)
+
+    def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
+        choices = self.choose(requests, ks)
+        ids: list[list[int]] = [[] for _ in requests]
+        probs: list = [None] * len(requests)
+        for method in dict.fromkeys(choices):
+            if method == "none":
+                continue
+            idx = [i for i, m in enumerate(choices) if m == method]
+            got = self.drafts(method, [requests[i] for i in idx], [ks[i] for i in idx])
+            for j, i in enumerate(idx):
+                ids[i], probs[i] = got.token_ids[j], got.draft_probs[j]
+        return DraftProposal(ids, probs)
+
+    def observe(self, step: VerifiedStep) -> None:
+        self._refresh()
+        for spec in self.synced:
+            spec.observe(step)
+
+    def release(self, request: SpecRequest) -> None:
+        self._lookup_drafts.pop(request.request_id, None)
+        for spec in self.members.values():
+            spec.release(request)

@@ -1,0 +1,192 @@
+"""A bounded index of token sequences that finds where the end of a context occurred before, in O(match).
+
+Layout (numpy, flat arrays; memory per cached token: 4 B token + 4 B scope + 8 B per level of chain, plus
+the level heads, about 90 B in all):
+
+    tokens[slot]          ring buffer of token ids; slot = absolute position % capacity; -1 separates documents
+    scope[slot]           which cache scope wrote the token (cross-request isolation)
+    head[level][bucket]   latest absolute end position of an n-gram (n = LEVELS[level]) hashing to bucket
+    prev[level][slot]     the previous end position in the same bucket (a hash chain, as LZ77 compressors keep)
+
+Appending a token inserts it at the head of one chain per level (vectorised per batch of tokens), so an
+update costs O(levels) per new token, never a pass over the history. A lookup hashes the last n tokens
+of the context for n = 32, 16, ... 2, walks at most MAX_CHAIN entries of that chain, and keeps the
+positions whose n tokens really match (a bucket may hold other n-grams). The first level with matches
+gives the candidates; the draft follows their continuations, taking at each position the token most of
+the still-agreeing candidates continue with (the most frequent continuation of the longest match).
+
+Eviction is the ring: writing past the capacity overwrites the oldest tokens, and a chain walk stops at
+the first position older than the oldest kept one (positions only decrease along a chain).
+
+Worked example, capacity 16, tokens [5 1 2 3 -1 9 1 2 3 7] (two documents), context tail [.., 1, 2]:
+level 2 hashes (1, 2): its chain holds end positions 7 and 2, both match; continuations are 3 (from 8)
+and 3 (from 3) -> draft 3 with frequency 1.0; next, 7 (from 9) and -1 (end of document at 4): 7 has
+frequency 0.5.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+LEVELS = (32, 16, 8, 4, 2)      # n-gram lengths indexed, longest first
+MAX_MATCH = 64                 # longest match length measured (caps the draft-length rule)
+MAX_CHAIN = 32                 # chain entries examined per level and lookup (bounds the work)
+SEPARATOR = -1
+_BASE = np.uint64(0x100000001B3)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+_POWERS = {n: _BASE ** np.arange(n - 1, -1, -1, dtype=np.uint64) for n in LEVELS}   # [n] uint64
+
+
+@dataclass
+class Match:
+    """Where the context's end occurred: candidate end positions (absolute) and the longest length."""
+    ends: np.ndarray         # [C] int64 absolute positions of the last matched token
+    length: int              # longest verified match length among them (<= MAX_MATCH)
+
+
+def _hash(windows: np.ndarray, n: int, salt: int) -> np.ndarray:
+    """windows: [B, n] int64 tokens -> [B] uint64 hash (wrapping arithmetic), salted by the scope."""
+    with np.errstate(over="ignore"):
+        h = ((windows.astype(np.uint64) + np.uint64(2)) * _POWERS[n]).sum(axis=1, dtype=np.uint64)
+        return h ^ (np.uint64(salt) * _MIX)
+
+
+class SuffixIndex:
+    """Token sequences of bounded total length, indexed for longest-suffix lookup.
+
+    growable=True: the index never evicts and doubles its capacity when full (a request's own context);
+    growable=False: a fixed budget that overwrites the oldest tokens (the cross-request cache).
+    """
+
+    def __init__(self, capacity: int, growable: bool = False) -> None:
+        self.growable = growable
+        self.end = 0                                   # absolute position of the next token
+        self._alloc(max(16, int(capacity)))
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.tokens = np.full(capacity, SEPARATOR, dtype=np.int32)       # [capacity]
+        self.scope = np.zeros(capacity, dtype=np.int32)                  # [capacity]
+        buckets = 1 << max(4, (capacity - 1).bit_length())
+        self.mask = np.uint64(buckets - 1)
+        self.head = np.full((len(LEVELS), buckets), -1, dtype=np.int64)  # [levels, buckets]
+        self.prev = np.full((len(LEVELS), capacity), -1, dtype=np.int64)  # [levels, capacity]
+
+    @property
+    def oldest(self) -> int:
+        """The oldest absolute position still held."""
+        return max(0, self.end - self.capacity)
+
+    @property
+    def size(self) -> int:
+        return self.end - self.oldest
+
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.scope.nbytes + self.head.nbytes + self.prev.nbytes
+
+    # -- writing -------------------------------------------------------------------------------------
+    def extend(self, tokens, scope: int = 0) -> None:
+        """Append tokens (a separator is SEPARATOR) written by `scope`; index every n-gram they end."""
+        new = np.asarray(tokens, dtype=np.int64)                         # [B]
+        if len(new) == 0:
+            return
+        if self.growable and self.end + len(new) > self.capacity:
+            self._grow(self.end + len(new))
+        if len(new) > self.capacity:                                     # only the newest fit
+            self.end += len(new) - self.capacity
+            new = new[-self.capacity:]
+        start = self.end
+        pos = np.arange(start, start + len(new), dtype=np.int64)         # [B] absolute positions
+        self.tokens[pos % self.capacity] = new
+        self.scope[pos % self.capacity] = scope
+        self.end = start + len(new)
+        for li, n in enumerate(LEVELS):
+            ends = pos[pos - n + 1 >= max(self.oldest, 0)]               # windows fully held
+            if len(ends) == 0:
+                continue
+            win = self.tokens[(ends[:, None] - np.arange(n - 1, -1, -1)) % self.capacity]   # [E, n]
+            ok = (win >= 0).all(axis=1)                                   # no window spans a separator
+            ends, win = ends[ok], win[ok]
+            if len(ends):
+                self._link(li, (_hash(win, n, scope) & self.mask).astype(np.int64), ends)
+
+    def _link(self, li: int, buckets: np.ndarray, ends: np.ndarray) -> None:
+        """Push ends (ascending) onto their buckets' chains; several may share a bucket within the batch."""
+        order = np.argsort(buckets, kind="stable")                       # ascending ends within a bucket
+        b, e = buckets[order], ends[order]
+        first = np.ones(len(b), dtype=bool)
+        first[1:] = b[1:] != b[:-1]
+        prev = np.empty(len(b), dtype=np.int64)
+        prev[first] = self.head[li, b[first]]
+        prev[~first] = e[np.flatnonzero(~first) - 1]
+        self.prev[li, e % self.capacity] = prev
+        last = np.ones(len(b), dtype=bool)
+        last[:-1] = b[:-1] != b[1:]
+        self.head[li, b[last]] = e[last]
+
+    def _grow(self, need: int) -> None:
+        held = self.tokens[np.arange(self.oldest, self.end) % self.capacity].copy()
+        scopes = self.scope[np.arange(self.oldest, self.end) % self.capacity].copy()
+        self.end = 0
+        self._alloc(max(need, 2 * self.capacity))
+        for s in np.unique(scopes):                                      # one scope for a request's index
+            self.extend(held, int(s))
+
+    # -- reading -------------------------------------------------------------------------------------
+    def match(self, tail: np.ndarray, scope: int = 0, before: int | None = None) -> Match | None:
+        """Candidates whose tokens end like `tail` ([T] int64), written by `scope`, with at least one token
+        after them before absolute position `before` (default: the end). None: no match of >= 2 tokens."""
+        limit = self.end if before is None else before
+        head, prev, scope_of, cap = self.head, self.prev, self.scope, self.capacity
+        for li, n in enumerate(LEVELS):
+            if len(tail) < n:
+                continue
+            want = tail[-n:]
+            p = int(head[li, int(_hash(want[None, :], n, scope)[0] & self.mask)])
+            chain: list[int] = []
+            while p >= self.oldest + n - 1 and len(chain) < MAX_CHAIN:
+                chain.append(p)
+                p = int(prev[li, p % cap])
+            if not chain:
+                continue
+            ends = np.asarray(chain, dtype=np.int64)                      # [C] newest first
+            win = self.tokens[(ends[:, None] - np.arange(n - 1, -1, -1)) % cap]   # [C, n]
+            ok = (ends + 1 < limit) & (scope_of[ends % cap] == scope) & (win == want[None, :]).all(axis=1)
+            if ok.any():
+                return Match(ends[ok], self._longest(ends[ok], tail))
+        return None
+
+    def _longest(self, ends: np.ndarray, tail: np.ndarray) -> int:
+        m = min(len(tail), MAX_MATCH)
+        back = np.arange(m)                                               # [m] 0 = the last token
+        idx = ends[:, None] - back[None, :]                               # [C, m]
+        held = idx >= self.oldest
+        same = held & (self.tokens[idx % self.capacity] == tail[::-1][:m][None, :])
+        return int(np.cumprod(same, axis=1).sum(axis=1).max())
+
+    def continuation(self, found: Match, max_len: int, min_prob: float,
+                     before: int | None = None) -> tuple[list[int], float]:
+        """Follow the candidates: at each position the most frequent next token among those still agreeing,
+        stopping when the path's probability (product of frequencies) falls below min_prob.
+        Returns (draft ids, expected accepted tokens under those frequencies)."""
+        limit = self.end if before is None else before
+        idx = found.ends[:, None] + np.arange(1, max_len + 1)             # [C, L]
+        rows = np.where(idx < limit, self.tokens[idx % self.capacity], SEPARATOR).tolist()
+        out: list[int] = []
+        prob, expected = 1.0, 0.0
+        for j in range(max_len):
+            counts = Counter(r[j] for r in rows)
+            counts.pop(SEPARATOR, None)                                   # an occurrence that ended
+            if not counts:
+                break
+            top = max(counts.values())
+            token = next(r[j] for r in rows if counts.get(r[j]) == top)   # ties: the most recent one
+            prob *= top / len(rows)
+            if prob < min_prob:
+                break
+            out.append(token)
+            expected += prob
+            rows = [r for r in rows if r[j] == token]
+        return out, expected

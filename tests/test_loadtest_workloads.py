@@ -1,0 +1,34 @@
+"""loadtest workloads for cross-request drafting: repeated requests come back after all first sends,
+mixed alternates repeats with fresh prompts, agentic turns carry the conversation, and served workloads
+send one OpenAI `user` (the suffix cache's default scope)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from loadtest.prompt_sets import WORKLOAD_USER, load_prompt_set, mixed, next_turn, repeated
+from loadtest.request_builder import build_request
+
+
+def test_repeated_and_mixed_orders():
+    assert repeated(["a", "b"]) == ["a", "b", "a", "b"]
+    assert mixed(["a", "b"], ["x", "y", "z"]) == ["a", "x", "b", "y", "z"]
+    rows = load_prompt_set("repeated", 6)
+    prompts = [r["prompt"] for r in rows]
+    assert len(prompts) == 6 and prompts[:3] == prompts[3:] and len(set(prompts)) == 3
+    rows = load_prompt_set("mixed", 6)
+    prompts = [r["prompt"] for r in rows]
+    first, rest = prompts[:2], prompts[2:]
+    assert rest[0::2] == first and not set(rest[1::2]) & set(first)
+
+
+def test_agentic_turn_carries_prompt_and_answer():
+    nxt = next_turn("PROMPT ", "ANSWER", 0)
+    assert nxt.startswith("PROMPT ANSWER") and len(nxt) > len("PROMPT ANSWER")
+    assert next_turn("p", "a", 1) != next_turn("p", "a", 0)
+
+
+def test_served_workloads_send_one_user():
+    args = SimpleNamespace(max_tokens=8, temperature=0.0, method="suffix", k=4)
+    row = load_prompt_set("repeated", 2)[0]
+    assert build_request("m", row, args)["user"] == WORKLOAD_USER
+    assert "user" not in build_request("m", load_prompt_set("code_completion", 1)[0], args)

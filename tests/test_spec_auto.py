@@ -1,0 +1,208 @@
+"""`auto` (speculators/auto.py, spec_dispatch.py, spec_policy.choose_method): greedy output unchanged alone
+and mixed with other methods; the response books steps per chosen method; between a drafter that knows the
+answer and one that never does it picks the first; the acceptance-collapse signal warns once per window,
+is counted, and stops auto choosing the collapsed method."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import pytest
+from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, write_llama
+
+from specserve.sampling.params import SamplingParams
+from specserve.server.api.responses import SpeculationInfo
+from specserve.server.engine import spec_policy
+from specserve.server.engine.spec_policy import GoodputPolicy
+from specserve.server.engine.stats import StepStats
+from specserve.server.metrics import Metrics
+from specserve.speculators import registry
+from specserve.speculators.auto import AutoSpeculator, longest_lookup
+from specserve.speculators.base import DraftProposal, SpecParams, SpecRequest, SpecStats, Speculator
+
+ANSWERS: dict[tuple[int, ...], list[int]] = {}     # prompt -> its greedy output (what the oracle knows)
+PLAIN = SamplingParams(**GREEDY, max_tokens=32)
+
+
+def _answer_drafts(r: SpecRequest, k: int) -> list[int]:
+    prompt = tuple(r.all_token_ids[:r.num_tokens - len(r.output_token_ids)])
+    return ANSWERS[prompt][len(r.output_token_ids):][:k]
+
+
+class OracleSpeculator(Speculator):
+    """Drafts the target's own greedy continuation: accepted always. It is made the costlier of the two
+    (2 ms a call), so only the acceptance estimates can make auto prefer it."""
+    name = "oracle"
+    delay_s = 0.0
+
+    def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
+        time.sleep(self.delay_s)
+        return DraftProposal([_answer_drafts(r, k) for r, k in zip(requests, ks)], [None] * len(ks))
+
+
+class SlowOracleSpeculator(OracleSpeculator):
+    delay_s = 0.002
+
+
+class GarbageSpeculator(Speculator):
+    """Drafts a token the answer never continues with: rejected always."""
+    name = "garbage"
+
+    def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
+        drafts = []
+        for r, k in zip(requests, ks):
+            right = _answer_drafts(r, 1)
+            drafts.append([(right[0] + 1) % 50 if right else 3] * k)
+        return DraftProposal(drafts, [None] * len(ks))
+
+
+class TurncoatSpeculator(Speculator):
+    """The planted bad drafter: right until `bad` is set, then always wrong (a drafter that stops
+    matching its target, e.g. after the target was swapped)."""
+    name = "turncoat"
+    bad = False
+
+    def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
+        source = GarbageSpeculator() if self.bad else OracleSpeculator()
+        return source.propose(requests, ks)
+
+
+def method(name: str, cls: type) -> registry.Method:
+    return registry.Method(name, f"{__name__}:{cls.__name__}", "always")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auto")
+    return {"target": write_llama(root / "target", seed=0),
+            "draft": write_llama(root / "draft", seed=1, num_hidden_layers=2, hidden_size=16,
+                                 intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)}
+
+
+def test_greedy_equals_plain_alone_and_mixed_and_books_steps_per_method(dirs):
+    engine = make_engine(dirs["target"], draft_model=str(dirs["draft"]), suffix_scope="global")
+    assert "auto" in engine.engine.spec.methods
+    auto = engine.engine.spec.speculators["auto"]
+    assert {"ngram", "suffix", "draft", "hybrid"} <= set(auto.members) and "prediction" not in auto.members
+    prompts = encode(engine)
+    refs = [engine.generate([p], PLAIN)[0].token_ids for p in prompts]
+    alone = engine.generate([prompts[0]], PLAIN, SpecParams("auto", 4))[0]
+    assert alone.token_ids == refs[0]
+    specs = [SpecParams("auto", 4), SpecParams("draft", 3), SpecParams("auto", 8), SpecParams(),
+             SpecParams("suffix", 4)]
+    mixed = engine.generate(prompts, PLAIN, [specs[i % len(specs)] for i in range(len(prompts))])
+    assert [o.token_ids for o in mixed] == refs
+    for out in [alone, *(o for i, o in enumerate(mixed) if i % len(specs) in (0, 2))]:
+        stats = out.spec_stats
+        assert stats.method == "auto" and stats.by_method
+        assert set(stats.by_method) <= {*auto.members, "none"}
+        assert sum(r[1] for r in stats.by_method.values()) == stats.num_draft_tokens
+        assert sum(r[2] for r in stats.by_method.values()) == stats.num_accepted_tokens
+        info = SpeculationInfo.from_stats([stats], SpecParams("auto", 4))
+        assert {m: u.num_steps for m, u in info.by_method.items()} == {m: r[0] for m, r in stats.by_method.items()}
+    assert_no_leaks(engine)
+
+
+def test_auto_picks_the_drafter_that_drafts_well(dirs):
+    with registry.registered(method("garbage", GarbageSpeculator)), \
+            registry.registered(method("oracle", SlowOracleSpeculator)):
+        engine = make_engine(dirs["target"], suffix_scope="request")
+        prompts = encode(engine)
+        for p in prompts:
+            ANSWERS[tuple(p)] = engine.generate([p], PLAIN)[0].token_ids
+        outs = engine.generate(prompts, PLAIN, SpecParams("auto", 4))
+        assert [o.token_ids for o in outs] == [ANSWERS[tuple(p)] for p in prompts]
+        used: dict[str, int] = {}
+        for o in outs:
+            for m, row in o.spec_stats.by_method.items():
+                used[m] = used.get(m, 0) + row[0]
+        assert used["oracle"] > 4 * used.get("garbage", 0), used
+        steps = engine.engine.spec.speculators["auto"]
+        assert "oracle" in steps.members and "garbage" in steps.members
+
+
+def test_a_collapsing_drafter_is_reported_once_and_auto_stops_choosing_it(dirs, caplog):
+    with registry.registered(method("turncoat", TurncoatSpeculator)):
+        engine = make_engine(dirs["target"], suffix_scope="request", speculation_policy="fixed")
+        prompts = encode(engine) * 2
+        for p in prompts:
+            ANSWERS[tuple(p)] = engine.generate([p], PLAIN)[0].token_ids
+        turncoat = engine.engine.spec.speculators["turncoat"]
+        with caplog.at_level(logging.WARNING, logger=spec_policy.__name__):
+            good = engine.generate(prompts, PLAIN, SpecParams("turncoat", 4))
+            assert not [r for r in caplog.records if "collapsed" in r.getMessage()]
+            turncoat.bad = True
+            outs = engine.generate(prompts, PLAIN, SpecParams("turncoat", 4))
+        assert [o.token_ids for o in good + outs] == [ANSWERS[tuple(p)] for p in prompts] * 2
+        assert outs[0].spec_stats.num_accepted_tokens == 0
+        warned = [r for r in caplog.records if "collapsed" in r.getMessage()]
+        assert len(warned) == 1 and "turncoat" in warned[0].getMessage()
+        learner = engine.engine.spec.learner
+        assert learner.is_collapsed("turncoat")
+        request = SimpleNamespace(spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
+                                  sampling_params=PLAIN)
+        assert learner.choose_method(request, 4, {"turncoat": 4}) == "none"
+        assert learner.choose_method(request, 4, {"turncoat": 4, "ngram": 4}) == "ngram"
+
+
+def test_collapse_signal_window_counter_and_recovery():
+    now = [0.0]
+    policy = GoodputPolicy(clock=lambda: now[0])
+    for _ in range(100):
+        policy.observe_acceptance("eagle3", 4, 3)
+    assert not policy.is_collapsed("eagle3") and policy.drain_collapses() == {}
+    for _ in range(150):
+        policy.observe_acceptance("eagle3", 4, 0)
+    assert policy.is_collapsed("eagle3") and policy.drain_collapses() == {"eagle3": 1}
+    assert policy.drain_collapses() == {}                     # once per window however long it lasts
+    now[0] += spec_policy.COLLAPSE_WINDOW_S + 1
+    assert not policy.is_collapsed("eagle3")                 # auto may try it again after the window
+    for _ in range(100):
+        policy.observe_acceptance("ngram", 4, 2)              # another method, steady: never reported
+    assert policy.drain_collapses() == {}
+    m = Metrics()
+    m.set_model_name("m", {"none": 0, "eagle3": 4})
+    m.on_step(StepStats(spec_collapsed={"eagle3": 1}))
+    assert m.registry.get_sample_value("specserve:spec_decode_acceptance_collapse_total",
+                                       {"model_name": "m", "method": "eagle3"}) == 1
+
+
+def test_choice_follows_expected_tokens_per_second():
+    policy = GoodputPolicy()
+    request = SimpleNamespace(request_id="r", spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
+                              sampling_params=PLAIN)
+    assert policy.choose_method(request, 4, {"ngram": 0}) == "none"          # nothing to draft
+    for _ in range(50):
+        policy.observe_acceptance("ngram", 4, 0)
+        policy.observe_acceptance("suffix", 4, 4)
+    assert policy.choose_method(request, 4, {"ngram": 4, "suffix": 4}) == "suffix"
+    assert policy.choose_method(request, 4, {"ngram": 4, "suffix": 1}) in ("suffix", "none")
+    policy.draft_step_s["draft"] = 10.0                                        # a drafter costing 10 steps
+    assert policy.choose_method(request, 4, {"draft": 4}) == "none"
+    assert longest_lookup(request, 4, {"ngram": 3, "suffix": 1, "draft": 4}) == "ngram"
+    assert longest_lookup(request, 4, {"ngram": 1, "draft": 4}) == "draft"
+    assert longest_lookup(request, 4, {"ngram": 0}) == "none"
+    assert AutoSpeculator({}).choose([request], [0]) == ["none"]
+
+
+def test_over_http_the_response_shows_steps_per_chosen_method_and_metrics_label_them(client, http):
+    from conftest import SERVED_NAME
+
+    def drafted(method_name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in http.get("/metrics").text.splitlines()
+                   if line.startswith("specserve:spec_decode_num_draft_tokens_total{")
+                   and f'method="{method_name}"' in line)
+    before = {m: drafted(m) for m in ("ngram", "suffix", "auto")}
+    r = client.completions.create(model=SERVED_NAME, prompt="a b c a b c a b c a b c a b", max_tokens=24,
+                                  temperature=0, user="alice",
+                                  extra_body={"ignore_eos": True,
+                                              "speculation": {"method": "auto", "num_speculative_tokens": 4}})
+    spec = r.model_extra["speculation"]
+    assert spec["method"] == "auto" and spec["by_method"]
+    assert sum(u["num_draft_tokens"] for u in spec["by_method"].values()) == spec["num_draft_tokens"]
+    grew = {m: drafted(m) - before[m] for m in before}
+    assert grew["auto"] == 0                          # steps are booked under the method auto chose
+    assert sum(grew.values()) == sum(u["num_draft_tokens"] for m, u in spec["by_method"].items()
+                                     if m in ("ngram", "suffix"))
