@@ -9,7 +9,7 @@ PORT ?= 8000
 ARGS ?=
 SPECULATORS_PIN := speculators==0.9.0
 
-.PHONY: venv system-deps serve test test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report gpu-check lint clean
+.PHONY: venv system-deps serve test test-structured-soak test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report bench-coupled gpu-check lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,10 @@ system-deps:
 test: venv system-deps
 	$(BIN)/python -m pytest -q -ra
 
+# The structured-output randomized run at 10x make test's size (2000 requests: methods, k, T, schemas).
+test-structured-soak: venv
+	STRUCTURED_FUZZ_REQUESTS=2000 $(BIN)/python -m pytest -q tests/test_structured_fuzz.py
+
 bench-decode: venv
 	$(BIN)/python -m loadtest.bench_decode $(ARGS)
 
@@ -56,6 +60,10 @@ bench-paired: venv
 #   make bench-server-ab ARGS='--dtype bfloat16 --compile --config thread= --config process=--engine-process'
 bench-server-ab: venv
 	$(BIN)/python -m loadtest.bench_server_ab $(ARGS)
+
+# Seeded (coupled) against unseeded (rejection) sampled speculation, batch 1, arms interleaved per prompt.
+bench-coupled: venv
+	$(BIN)/python -m loadtest.bench_coupled $(ARGS)
 
 # Our n-gram vs vLLM's on the same target; vLLM in its own venv (VLLM_PYTHON=..., see loadtest/bench_vllm.py).
 bench-vllm: venv

@@ -5,6 +5,8 @@
                     expected output (repeats the input) is stored as `prediction`
   docstring_to_code a docstring-only stub to implement
   prose             English paragraphs from pydoc_data.topics (never in the training corpus)
+  json_schema       16 JSON-schema tasks (a prompt and a bounded `schema`), written by hand for the
+                    structured-output benchmark (loadtest/bench_structured.py)
 
 They are built from the training corpus's held-out split by training/prompt_sets.py
 (`python -m training.prompt_sets`); this module only reads them.
@@ -16,7 +18,7 @@ import random
 from pathlib import Path
 
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
-SETS = ("code_completion", "code_editing", "docstring_to_code", "prose")
+SETS = ("code_completion", "code_editing", "docstring_to_code", "prose", "json_schema")
 
 
 def load_prompt_set(name: str, n: int | None = None, seed: int = 0) -> list[dict]:

@@ -25,13 +25,9 @@ import torch
 from specserve.sampling.outputs import SeqSamplingInput
 from specserve.sampling.params import SamplingParams
 
-# Temperatures below this are decoded greedily: the scaled distribution is one-hot up to float
-# rounding, and dividing by ~0 would overflow float32 logits to inf (softmax -> NaN).
-GREEDY_TEMPERATURE = 1e-5
-
 
 def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < GREEDY_TEMPERATURE
+    return params.greedy     # the one rule: SamplingParams.greedy (temperature < GREEDY_TEMPERATURE)
 
 
 def _exclusive_cumsum(values: Sequence[int]) -> list[int]:

@@ -9,6 +9,11 @@ Applied to every row, greedy or random, in this order:
 3. min_tokens: while a row's output length (output + drafts[:j]) is below min_tokens, the request's
    stop token ids and, unless ignore_eos, the model's EOS ids get -inf. Last, so nothing re-enables
    them. A banned draft then has target probability 0 and is always rejected.
+4. grammar: a structured-output request's rows get -inf wherever its grammar forbids the token; row j's
+   mask was computed after the drafts before it (specserve/grammar/state.py), so a draft the grammar
+   forbids has target probability 0 there and is rejected at that position, and the recovered token
+   comes from the masked distribution. A grammar that leaves only stop tokens while min_tokens bans
+   them wins: such a row keeps the grammar's tokens (an empty row has no distribution).
 
 Temperature and top-k/top-p/min-p are argmax-invariant and live in sampling/sampler.py; they only
 shape the distribution of random rows.
@@ -49,7 +54,8 @@ class LogitsProcessor:
         bans = {i: self.stop_ids(s.params) for i, s in enumerate(seqs)
                 if len(s.output_token_ids) < s.params.min_tokens}
         bans = {i: ids for i, ids in bans.items() if ids}
-        if not (needs_penalties or bias_reqs or bans):
+        masked = [i for i, s in enumerate(seqs) if s.grammar_mask is not None]
+        if not (needs_penalties or bias_reqs or bans or masked):
             return target_logits
         # Raw logits stay untouched: logprobs are reported from them.
         logits = target_logits.clone()
@@ -58,6 +64,8 @@ class LogitsProcessor:
             self._apply_logit_bias(logits, batch, bias_reqs)
         if bans:
             self._apply_min_tokens(logits, batch, bans)
+        if masked:
+            _apply_grammar(logits, target_logits, batch, masked)
         return logits
 
     @staticmethod
@@ -91,3 +99,36 @@ class LogitsProcessor:
         entry_of, rows, _ = batch.entry_rows(entry_req, entry_nrows)
         tokens = torch.tensor(token_ids, dtype=torch.long, device=batch.device)[entry_of]   # [M]
         logits[rows, tokens] = float("-inf")
+
+
+def grammar_rows(seqs: Sequence, vocab: int, device: torch.device,
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows [M] long, allowed [M, vocab] bool) of the requests with a grammar_mask, rows counted over the
+    whole ragged batch (request i owns len(draft_token_ids) + 1 rows); None when no request has one."""
+    rows, masks, start = [], [], 0
+    for seq in seqs:
+        n = len(seq.draft_token_ids) + 1
+        mask = seq.grammar_mask                                         # [n, mask vocab] bool
+        if mask is not None:
+            width = min(mask.shape[1], vocab)
+            if width < vocab:                                           # ids the tokenizer does not have
+                mask = torch.cat([mask[:, :width], mask.new_zeros(n, vocab - width)], dim=1)
+            rows.append(torch.arange(start, start + n))
+            masks.append(mask[:, :vocab])
+        start += n
+    if not rows:
+        return None
+    return torch.cat(rows).to(device), torch.cat(masks).to(device)
+
+
+def _apply_grammar(logits: torch.Tensor,         # [num_rows, vocab], modified in place
+                   target_logits: torch.Tensor,  # [num_rows, vocab] raw
+                   batch: SamplingBatch, reqs: list[int]) -> None:
+    found = grammar_rows(batch.seqs, batch.vocab_size, batch.device)
+    assert found is not None and reqs
+    rows, allowed = found                                               # [M], [M, vocab]
+    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    empty = ~torch.isfinite(masked).any(dim=-1)                         # [M]
+    if bool(empty.any()):
+        masked[empty] = target_logits.index_select(0, rows[empty]).masked_fill(~allowed[empty], float("-inf"))
+    logits.index_copy_(0, rows, masked)

@@ -29,7 +29,8 @@ class SeqSamplingInput:
     output_token_ids: Sequence[int]           # emitted before this step (drafts not included)
     draft_token_ids: Sequence[int] = ()       # k_i >= 0 drafts being verified
     draft_probs: torch.Tensor | None = None   # [k_i, vocab] float32, or None = deterministic (one-hot)
-    generator: torch.Generator | None = None  # per-request (seeded) generator; None -> global RNG
+    # [k_i + 1, vocab] bool, the grammar's allowed tokens at each row (row j after drafts[:j]), or None
+    grammar_mask: torch.Tensor | None = None
 
 
 @dataclass

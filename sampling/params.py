@@ -5,12 +5,28 @@ import math
 from dataclasses import dataclass, field
 
 _INT64_MAX = 2**63 - 1
+# Temperatures below this are decoded greedily: the scaled distribution is one-hot up to float
+# rounding, and dividing by ~0 would overflow float32 logits to inf (softmax -> NaN). The one rule
+# for "greedy" everywhere (sampler, drafters, goodput policy, engine).
+GREEDY_TEMPERATURE = 1e-5
+
+# What a structured-output constraint may be (specserve/grammar compiles it): a JSON schema, any JSON
+# object, a regular expression, one of a list of strings, or a context-free grammar (GBNF/EBNF or Lark).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A constraint on the output text. `value`: the schema as JSON text (json), the regex, the choices
+    as a JSON list of strings (choice), the grammar text (grammar); "" for json_object."""
+    kind: str
+    value: str = ""
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0          # 0 = greedy
+    temperature: float = 1.0          # < GREEDY_TEMPERATURE (0 in practice) = greedy
     top_p: float = 1.0                # (0, 1]
     top_k: int = 0                    # 0 or -1 = off
     min_p: float = 0.0                # [0, 1]
@@ -26,10 +42,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # None = off; N >= 0 = sampled token + top-N alternatives
     include_stop_str_in_output: bool = False
+    structured: StructuredSpec | None = None   # output constrained by a grammar (None = free text)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled with a seed: every decision is a Gumbel-max over noise keyed by position (coupled.py)."""
+        return self.seed is not None and not self.greedy
 
     @property
     def has_penalties(self) -> bool:

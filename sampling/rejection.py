@@ -8,7 +8,12 @@ Greedy requests (temperature 0): draft j is accepted while it equals the argmax 
 row j. At the first mismatch the row's argmax is emitted instead; if all k drafts match, the argmax
 of the last row is the bonus token. Output == plain greedy decoding, token for token.
 
-Random requests (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023): draft x_j is
+Seeded random requests (coupled sampling, sampling/coupled.py): row j's token is
+argmax(log target_probs[j] + g_j), g_j Gumbel noise keyed by (seed, absolute position); drafts are
+verified against those ids exactly as greedy drafts are against the argmax. Output == plain seeded
+decoding, token for token, whatever the drafts.
+
+Unseeded random requests (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023): draft x_j is
 accepted with probability min(1, target_probs[j, x_j] / draft_probs[j, x_j]). At the first
 rejection j the *recovered* token is drawn from norm(max(target_probs[j] - draft_probs[j], 0)); if
 all are accepted the *bonus* token is drawn from target_probs[k]. Each emitted token is then
@@ -30,8 +35,10 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.sampling.batch import SamplingBatch
+from specserve.sampling import coupled
+from specserve.sampling.batch import RowGroup, SamplingBatch
 from specserve.sampling.draft_distribution import DraftDistribution
+from specserve.sampling.logits_processor import grammar_rows
 from specserve.sampling.logprobs import collect_logprobs
 from specserve.sampling.outputs import SeqSamplingInput, SeqSamplingOutput
 from specserve.sampling.rng import RandomDraws, inverse_cdf
@@ -46,9 +53,9 @@ def _count_accepted(accepted: torch.Tensor,  # [m, max_drafts] bool
 
 def _plain_greedy(seq: SeqSamplingInput) -> bool:
     """Greedy with nothing that edits the scores this step (no penalty, bias, min_tokens ban) and no logprobs:
-    the whole verification is an argmax per row."""
+    the whole verification is an argmax per row (of the grammar-masked rows under a structured output)."""
     p = seq.params
-    return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias and not p.has_penalties
+    return (p.greedy and p.logprobs is None and not p.logit_bias and not p.has_penalties
             and p.min_tokens <= len(seq.output_token_ids))
 
 
@@ -57,6 +64,11 @@ def _verify_plain_greedy(target_logits: torch.Tensor,  # [sum_i(k_i + 1), vocab]
     """The greedy rule of the module docstring without the batched machinery: one argmax over all rows
     and one device->host copy, then each request's leading run of drafts equal to its rows' argmax.
     (argmax is exact in any dtype, and a bf16 -> float32 cast cannot change it, ties included.)"""
+    grammar = grammar_rows(seqs, target_logits.shape[1], target_logits.device)
+    if grammar is not None:                             # a grammar leaves at least one token in every row
+        rows, allowed = grammar                         # [M], [M, vocab]
+        target_logits = target_logits.index_copy(
+            0, rows, target_logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
     best = target_logits.argmax(dim=-1).tolist()       # [rows]
     outputs, row = [], 0
     for seq in seqs:
@@ -93,22 +105,55 @@ class RejectionSampler:
         token_ids = torch.zeros(len(batch.seqs), width, dtype=torch.long, device=batch.device)  # [n, k+1]
         num_accepted = torch.zeros(len(batch.seqs), dtype=torch.long, device=batch.device)     # [n]
         if len(batch.greedy):
-            tokens, accepted = self._verify_greedy(batch, processed.greedy_token_ids)
+            tokens, accepted = self._verify_argmax(batch, batch.greedy, processed.greedy_token_ids)
             token_ids[batch.greedy.req_index] = tokens
             num_accepted[batch.greedy.req_index] = accepted
-        if len(batch.random):
-            tokens, accepted = self._verify_random(batch, processed.target_probs)
-            token_ids[batch.random.req_index] = tokens
-            num_accepted[batch.random.req_index] = accepted
+        for group, probs, verify in self._sampled_groups(batch, processed.target_probs):
+            tokens, accepted = verify(batch, group, probs)
+            token_ids[group.req_index] = tokens
+            num_accepted[group.req_index] = accepted
         # One device->host copy for the whole batch.
         return self._outputs(target_logits, batch, token_ids.tolist(), num_accepted.tolist())
 
+    def _sampled_groups(self, batch: SamplingBatch,
+                        target_probs: torch.Tensor,  # [batch.random.num_rows, vocab] float32
+                        ) -> list[tuple[RowGroup, torch.Tensor, object]]:
+        """The sampled requests split into (group, its target_probs rows, verifier): seeded ones coupled,
+        the others by rejection. A group that is all of batch.random reuses its rows without a copy."""
+        random = batch.random
+        if len(random) == 0:
+            return []
+        seeded = [m for m, i in enumerate(random.reqs) if batch.seqs[i].params.coupled]
+        if not seeded:
+            return [(random, target_probs, self._verify_random)]
+        if len(seeded) == len(random):
+            return [(random, target_probs, self._verify_coupled)]
+        others = [m for m in range(len(random)) if m not in set(seeded)]
+        out = []
+        for members, verify in ((seeded, self._verify_coupled), (others, self._verify_random)):
+            local_rows, _ = batch.member_rows(random, members)
+            out.append((batch.group([random.reqs[m] for m in members]), target_probs.index_select(0, local_rows),
+                        verify))
+        return out
+
     @staticmethod
-    def _verify_greedy(batch: SamplingBatch,
-                       argmax_ids: torch.Tensor,  # [batch.greedy.num_rows] long
+    def _verify_coupled(batch: SamplingBatch, group: RowGroup,
+                        target_probs: torch.Tensor,  # [group.num_rows, vocab] float32
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Seeded requests: each row's token is its Gumbel-max (sampling/coupled.py), verified like greedy."""
+        seqs = [batch.seqs[i] for i in group.reqs]
+        seeds = batch.per_request(group, [s.params.seed for s in seqs], torch.long)             # [rows]
+        first = batch.per_request(group, [len(s.prompt_token_ids) + len(s.output_token_ids) for s in seqs],
+                                  torch.long)                                                    # [rows]
+        keys = coupled.noise_keys(seeds, coupled.absolute_positions(first, group.row_pos))
+        return RejectionSampler._verify_argmax(batch, group, coupled.coupled_choice(target_probs, keys))
+
+    @staticmethod
+    def _verify_argmax(batch: SamplingBatch, group: RowGroup,
+                       argmax_ids: torch.Tensor,  # [group.num_rows] long: the token each row decides
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [m, max_drafts + 1] (valid up to num_accepted inclusive), num_accepted [m]."""
-        group, max_drafts = batch.greedy, batch.max_drafts
+        max_drafts = batch.max_drafts
         columns = torch.arange(max_drafts + 1, device=batch.device)
         # Padding columns j > k read the request's last row; they are never emitted.
         rows = group.local_start[:, None] + torch.minimum(columns[None, :], group.num_drafts[:, None])
@@ -120,11 +165,11 @@ class RejectionSampler:
         return target_ids, _count_accepted(accepted)
 
     @staticmethod
-    def _verify_random(batch: SamplingBatch,
-                       target_probs: torch.Tensor,  # [batch.random.num_rows, vocab] float32
+    def _verify_random(batch: SamplingBatch, group: RowGroup,
+                       target_probs: torch.Tensor,  # [group.num_rows, vocab] float32
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [m, max_drafts + 1] (valid up to num_accepted inclusive), num_accepted [m]."""
-        group, max_drafts = batch.random, batch.max_drafts
+        max_drafts = batch.max_drafts
         seqs = [batch.seqs[i] for i in group.reqs]
         draws = RandomDraws.draw(seqs, max_drafts, batch.device)
         drafts = batch.draft_ids.index_select(0, group.req_index)                  # [m, k]

@@ -1,12 +1,11 @@
-"""RandomDraws: every random number one sampling step consumes, per request.
+"""RandomDraws: every random number one rejection-sampling step consumes, per request.
 
-A random-sampling request with k drafts consumes exactly, in this order:
+Only unseeded requests draw here, from the global RNG in one batched call: seeded ones use
+position-keyed noise instead (sampling/coupled.py), so their text cannot depend on how many numbers
+a step drew. A random-sampling request with k drafts consumes, in this order:
   k uniforms in [0, 1)  - one acceptance test per draft position;
   1 uniform in [0, 1)   - the inverse-CDF draw of the final (recovered or bonus) token: the first
                           token whose cumulative weight exceeds u * sum(weights).
-The count depends only on k, never on what was accepted or on the rest of the batch, so a request
-with its own seeded torch.Generator reproduces its outputs whenever it sees the same drafts.
-Requests without a generator draw from the global RNG in one batched call.
 
 Worked example of the final draw: weights [0.6, 0.1, 0.0], u = 0.9 -> u * 0.7 = 0.63; cumulative
 [0.6, 0.7, 0.7]: the first entry above 0.63 is token 1. A zero weight adds nothing to the cumulative
@@ -23,19 +22,6 @@ import torch
 from specserve.sampling.outputs import SeqSamplingInput
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """The per-request generator a seeded request keeps for its lifetime (None when unseeded).
-
-    The engine creates it once, at admission, on the logits' device, and passes the same object in
-    every step's SeqSamplingInput so the stream continues instead of restarting.
-    """
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed % 2**64)   # manual_seed takes [0, 2**64); negative seeds wrap
-    return generator
-
-
 @dataclass
 class RandomDraws:
     uniforms: torch.Tensor      # [m, max_drafts] float32; entries j >= k_i are unused padding
@@ -43,15 +29,9 @@ class RandomDraws:
 
     @classmethod
     def draw(cls, seqs: Sequence[SeqSamplingInput], max_drafts: int, device: torch.device) -> RandomDraws:
-        """Draws for the random-sampling requests `seqs`, each from its own generator if it has one."""
+        """Draws for the (unseeded) rejection-sampling requests `seqs`."""
         uniforms = torch.rand(len(seqs), max_drafts, device=device)              # [m, max_drafts]
         final = torch.rand(len(seqs), device=device)                              # [m]
-        for i, seq in enumerate(seqs):
-            if seq.generator is None:
-                continue
-            # Overwrite the seeded request's slots in place from its own stream (views, no copies).
-            uniforms[i, :len(seq.draft_token_ids)].uniform_(generator=seq.generator)
-            final[i:i + 1].uniform_(generator=seq.generator)
         return cls(uniforms=uniforms, final=final)
 
 

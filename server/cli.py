@@ -18,6 +18,7 @@ from specserve.server.api.limits import Limits
 from specserve.server.config import (
     DTYPES,
     SPECULATION_POLICIES,
+    TOOL_CALL_PARSERS,
     EngineConfig,
     ServerConfig,
     parse_speculation,
@@ -103,6 +104,24 @@ def _speculation_flags(p: argparse.ArgumentParser) -> None:
                    help="EAGLE-3 head directory for method 'eagle3'. Default: none loaded")
 
 
+def _structured_flags(p: argparse.ArgumentParser) -> None:
+    e = EngineConfig()
+    g = p.add_argument_group("structured outputs and tool calls (see SECURITY.md)")
+    g.add_argument("--max-grammar-bytes", type=int, default=e.max_grammar_bytes, metavar="N",
+                   help="largest JSON schema, regex, choice list or grammar a request may send; larger "
+                        "ones get a 400 (default: %(default)s)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=e.grammar_compile_timeout, metavar="SECONDS",
+                   help="longest a constraint may take to compile; then the request gets a 400 "
+                        "(default: %(default)s)")
+    g.add_argument("--grammar-cache-size", type=int, default=e.grammar_cache_size, metavar="N",
+                   help="compiled constraints kept for reuse, least recently used dropped first "
+                        "(default: %(default)s)")
+    g.add_argument("--tool-call-parser", default=e.tool_call_parser, choices=TOOL_CALL_PARSERS,
+                   help="the model family's tool-call format, read from the output when tool_choice is "
+                        "auto: hermes (Hermes/Qwen <tool_call> JSON), llama3_json (Llama 3 JSON), "
+                        "mistral ([TOOL_CALLS]) (default: %(default)s)")
+
+
 def _server_flags(p: argparse.ArgumentParser) -> None:
     s = ServerConfig()
     g = p.add_argument_group("HTTP server")
@@ -159,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over HTTP", description="Serve a model with an "
                            "OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, "
                            "/v1/speculators, /health, /metrics).")
-    for add in (_engine_flags, _speculation_flags, _server_flags, _limit_flags, _lifecycle_flags):
+    for add in (_engine_flags, _speculation_flags, _structured_flags, _server_flags, _limit_flags,
+                _lifecycle_flags):
         add(serve)
     return parser
 

@@ -14,6 +14,7 @@ from specserve.speculators.base import SpecParams
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATION_POLICIES = ("goodput", "fixed")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")   # server/api/tool_parsers.py
 
 
 @dataclass
@@ -40,6 +41,11 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
     compile: bool = False  # torch.compile the layer stacks of target and draft model
     engine_process: bool = False  # step the engine in its own process (server/engine/process_engine.py)
+    # structured outputs (specserve/grammar): limits on a constraint's text and compile time, and the LRU size
+    max_grammar_bytes: int = 65536
+    grammar_compile_timeout: float = 5.0   # seconds
+    grammar_cache_size: int = 256
+    tool_call_parser: str = "hermes"       # the model family's tool-call format (TOOL_CALL_PARSERS)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -64,6 +70,14 @@ class EngineConfig:
             )
         if self.speculation is not None:
             self._validate_default_speculation(self.speculation)
+        if not 64 <= self.max_grammar_bytes <= 16 * 2**20:
+            raise ValueError(f"max_grammar_bytes must be in [64, 16 MiB], got {self.max_grammar_bytes}")
+        if not 0.01 <= self.grammar_compile_timeout <= 600:
+            raise ValueError(f"grammar_compile_timeout must be in [0.01, 600] s, got {self.grammar_compile_timeout}")
+        if not 1 <= self.grammar_cache_size <= 100_000:
+            raise ValueError(f"grammar_cache_size must be in [1, 100000], got {self.grammar_cache_size}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
 
     def _validate_default_speculation(self, spec: SpecParams) -> None:
         if spec.method not in registry.METHODS:

@@ -52,8 +52,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 class _SpecChildren:
     """The labelled children of one (model, method): resolved once, reused every step."""
-    __slots__ = ("_labels", "_per_pos_metric", "accepted", "draft_tokens", "drafts", "per_pos",
-                 "tokens_per_step")
+    __slots__ = ("_labels", "_per_pos_metric", "accepted", "draft_tokens", "drafts", "grammar_rejected",
+                 "per_pos", "tokens_per_step")
 
     def __init__(self, m: Metrics, model_name: str, method: str) -> None:
         self._labels = (model_name, method)
@@ -61,6 +61,7 @@ class _SpecChildren:
         self.draft_tokens = m.spec_draft_tokens.labels(model_name, method)
         self.accepted = m.spec_accepted.labels(model_name, method)
         self.tokens_per_step = m.spec_tokens_per_step.labels(model_name, method)
+        self.grammar_rejected = m.spec_grammar_rejected.labels(model_name, method)
         self._per_pos_metric = m.spec_accepted_per_pos
         self.per_pos: list[Any] = []
 
@@ -141,6 +142,9 @@ class Metrics:
         self.spec_tokens_per_step = self._histogram(
             "spec_decode_tokens_per_step", "Tokens emitted per verification step (accepted + 1).",
             TOKENS_PER_STEP_BUCKETS, m)
+        self.spec_grammar_rejected = self._counter(
+            "spec_decode_grammar_rejected",
+            "Verification steps where a structured-output grammar forbade a draft (rejected at that position).", m)
         self.spec_refused = self._counter("spec_decode_refused",
                                           "Requests whose speculation was refused or reduced, by reason.",
                                           ("reason",))
@@ -238,6 +242,7 @@ class Metrics:
         c.drafts.inc(spec.num_drafts)
         c.draft_tokens.inc(spec.num_draft_tokens)
         c.accepted.inc(spec.num_accepted_tokens)
+        c.grammar_rejected.inc(spec.num_grammar_rejected)
         for pos, count in enumerate(spec.accepted_per_pos):
             c.position(pos).inc(count)
         for tokens in spec.tokens_per_step:

@@ -61,6 +61,7 @@ class SpecStats:
     # reason (CUT_REASONS) -> steps whose drafts were reduced or refused for it; the same reasons and
     # counts go to spec_decode_refused_total
     cuts: dict[str, int] = field(default_factory=dict)
+    grammar_rejected: int = 0      # steps where the request's grammar forbade one of its drafts (rejected there)
 
     def cut(self, reason: str) -> None:
         self.cuts[reason] = self.cuts.get(reason, 0) + 1
@@ -122,6 +123,8 @@ class SpecRequest(Protocol):
     output_token_ids: list[int]
     block_ids: list[int]                    # the target's KV blocks (a state stash is keyed by their slots)
     spec_stats: SpecStats                   # where a drafter notes a cut (spec_stats.cut(reason)); else read-only
+    grammar: Any                            # structured output's GrammarState (None: free text); drafters mask
+                                            # their logits with it (specserve/grammar/draft_mask.py)
 
     @property
     def num_tokens(self) -> int: ...        # prompt + output tokens known so far

@@ -17,9 +17,10 @@ forward 2 runs d1 at 3 -> d2; forward 3 runs d2 at 4 -> d3 (d3's KV is never wri
 accepts d1 only and emits r: context [a b c d1 r]. Next step: KV at position 3 (d1) matches, position
 4 (d2) does not -> valid = 4, forward 1 runs [r] at position 4.
 
-Sampling: greedy requests get argmax drafts (draft_probs None); others get drafts drawn from the draft
-model's own distribution at the request's temperature/top-k/top-p with those probs returned
-(speculators/draft_sampling.py), which keeps rejection sampling exact.
+Sampling: greedy requests get argmax drafts (draft_probs None); unseeded sampled ones get drafts drawn
+from the draft model's own distribution at the request's temperature/top-k/top-p with those probs
+returned, which keeps rejection sampling exact; seeded ones get coupled drafts (position-keyed Gumbel
+noise, no probs), which keeps the seed's text (speculators/draft_sampling.py).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from specserve.server.models.latency_tuning import tune_for_latency
 from specserve.server.models.llama import LlamaForCausalLM
 from specserve.speculators.base import BuildContext, DraftProposal, SpecRequest, Speculator
 from specserve.speculators.draft_kv import DraftKVCache, DraftSeq, mirror_target_blocks
-from specserve.speculators.draft_sampling import append_drafts, draft_generator
+from specserve.speculators.draft_sampling import append_drafts
 from specserve.speculators.vocab import check_same_vocabulary
 
 
@@ -45,7 +46,6 @@ class _DraftState:
     kv: DraftSeq = field(default_factory=DraftSeq)
     num_confirmed: int = 0        # positions [0, num_confirmed) hold KV of the request's real tokens
     speculative: list[int] = field(default_factory=list)   # drafts with KV at num_confirmed.. (may be rejected)
-    generator: torch.Generator | None = None
 
 
 @dataclass
@@ -148,8 +148,7 @@ class DraftModelSpeculator(Speculator):
         if state is None or state.num_confirmed > req.num_tokens:   # unseen, or recomputed from scratch
             if state is not None:
                 self.cache.free(state.kv)
-            state = self._states[req.request_id] = _DraftState(
-                generator=draft_generator(req.sampling_params, self.device))
+            state = self._states[req.request_id] = _DraftState()
         return state
 
     @staticmethod
@@ -195,7 +194,7 @@ class DraftModelSpeculator(Speculator):
 
     @staticmethod
     def _sample(items: list[_Live], logits: torch.Tensor) -> None:
-        append_drafts(items, logits, [it.state.generator for it in items])
+        append_drafts(items, logits)
 
 
 def _to_target_vocab(logits: torch.Tensor,  # [n, draft vocab] float32

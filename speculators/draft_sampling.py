@@ -1,13 +1,17 @@
 """DraftSampler: turn a drafter's logits rows into draft tokens, and the probabilities they were drawn from.
 
-Greedy requests (temperature 0) get the argmax and no probabilities (deterministic drafts, one-hot for
-the rejection sampler). Random requests draw from the DRAFTER's own distribution at the request's
-temperature, truncated by its min_p / top_k / top_p (penalties and logit_bias are the target's
-business: any draft distribution keeps rejection sampling exact, as long as the one returned is the
-one sampled from). Truncating like the target usually raises acceptance.
+Greedy requests get the argmax and no probabilities (deterministic drafts, one-hot for the rejection
+sampler). Sampled requests draw from the DRAFTER's own distribution at the request's temperature,
+truncated by its min_p / top_k / top_p (penalties and logit_bias are the target's business: any draft
+distribution keeps verification exact). Truncating like the target usually raises acceptance.
 
-A seeded request draws from its own generator (created by the speculator from the seed), so a seeded
-request stays reproducible with model-based drafts too.
+- unseeded: an inverse-CDF draw from the global RNG, and that probs row for the rejection sampler;
+- seeded: coupled sampling (sampling/coupled.py). The draft for absolute position t is
+  argmax(log q_t + g_t) with the same Gumbel noise g_t the target's decision at t uses, over the
+  drafter's distribution mapped to target ids (-inf outside the drafter's vocabulary). Its probs row is
+  returned too (what the draft was chosen from) though verification only compares ids. Where q_t and
+  p_t agree the draft is the target's token, so a close drafter keeps most of its acceptance, and the
+  seed's text never depends on the draft.
 
 Worked example: logits row [2.0, 1.0, 0.0], temperature 0.5, top_k 2 -> scaled [4, 2, 0] ->
 probs [0.881, 0.119, 0] -> a draw, e.g. token 0, and that probs row for the rejection sampler.
@@ -18,25 +22,19 @@ from collections.abc import Sequence
 
 import torch
 
+from specserve.grammar.draft_mask import mask_draft_logits
+from specserve.sampling import coupled
 from specserve.sampling.params import SamplingParams
 from specserve.sampling.rng import inverse_cdf
 from specserve.sampling.truncation import apply_min_p, apply_top_k_top_p
 
 
-def draft_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """A generator for a seeded random request, offset from the seed so it never mirrors the target's stream."""
-    if params.seed is None or params.greedy:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed((params.seed + 0x5EED_D4AF7) % 2**64)
-    return gen
-
-
 def sample_drafts(logits: torch.Tensor,                        # [n, vocab] float32 (-inf = impossible)
                   params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator | None],
+                  starts: Sequence[int],                       # [n] the request's num_tokens this step
+                  offsets: Sequence[int],                      # [n] drafts before this one in the step
                   ) -> tuple[list[int], list[torch.Tensor | None]]:
-    """-> (one draft token per row, per row a [vocab] float32 probs row or None for greedy rows)."""
+    """-> (one draft token per row, per row a [vocab] float32 probs row, or None for greedy rows)."""
     n = logits.shape[0]
     tokens = logits.argmax(dim=-1)                                           # [n]
     probs_out: list[torch.Tensor | None] = [None] * n
@@ -45,7 +43,7 @@ def sample_drafts(logits: torch.Tensor,                        # [n, vocab] floa
         rows = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
         sub = [params[i] for i in random_rows]
         probs = _probs(logits.index_select(0, rows).float(), sub)           # [m, vocab]
-        drawn = _draw(probs, [generators[i] for i in random_rows])           # [m]
+        drawn = _draw(probs, sub, [starts[i] for i in random_rows], [offsets[i] for i in random_rows])
         tokens = tokens.index_copy(0, rows, drawn)
         for j, i in enumerate(random_rows):
             probs_out[i] = probs[j]
@@ -53,12 +51,16 @@ def sample_drafts(logits: torch.Tensor,                        # [n, vocab] floa
 
 
 def append_drafts(items: Sequence, logits: torch.Tensor,  # [n, vocab] float32, row i for items[i]
-                  generators: Sequence[torch.Generator | None]) -> None:
+                  ) -> None:
     """Sample one draft per item and append it (and its probs, when sampled) to item.tokens / item.probs.
 
     items: per-request drafting state with `.request`, `.tokens` and `.probs` lists (draft model, heads).
+    The next draft of an item stands at absolute position request.num_tokens + len(item.tokens).
+    A request under a grammar drafts from the masked logits (specserve/grammar/draft_mask.py).
     """
-    tokens, probs = sample_drafts(logits, [it.request.sampling_params for it in items], generators)
+    logits = mask_draft_logits(items, logits)
+    tokens, probs = sample_drafts(logits, [it.request.sampling_params for it in items],
+                                  [it.request.num_tokens for it in items], [len(it.tokens) for it in items])
     for item, tok, prob in zip(items, tokens, probs):
         item.tokens.append(tok)
         if prob is not None:
@@ -85,14 +87,20 @@ def _probs(logits: torch.Tensor,   # [m, vocab] float32
 
 
 def _draw(probs: torch.Tensor,    # [m, vocab] rows sum to 1
-          generators: list[torch.Generator | None]) -> torch.Tensor:
-    """[m] long: one inverse-CDF draw per row (sampling/rng.py), seeded rows from their own generator.
+          params: list[SamplingParams], starts: list[int], offsets: list[int]) -> torch.Tensor:
+    """[m] long: seeded rows their coupled choice, the others one inverse-CDF draw each (sampling/rng.py).
 
     Not torch.multinomial: it cost ~4.7 ms per 16 x 8192 call on this CPU, more than a head's forward.
     """
-    if all(g is None for g in generators):
-        u = torch.rand(probs.shape[0], dtype=probs.dtype, device=probs.device)
-    else:
-        u = torch.cat([torch.rand(1, dtype=probs.dtype, device=probs.device, generator=g)
-                       for g in generators])                                   # None: the global RNG
-    return inverse_cdf(probs, u)
+    drawn = inverse_cdf(probs, torch.rand(probs.shape[0], dtype=probs.dtype, device=probs.device))
+    seeded = [j for j, p in enumerate(params) if p.coupled]
+    if seeded:
+        index = torch.tensor(seeded, dtype=torch.long, device=probs.device)
+        seeds = torch.tensor([params[j].seed for j in seeded], dtype=torch.long, device=probs.device)
+        # the same key rule as the target's row deciding this position (coupled.absolute_positions)
+        where = coupled.absolute_positions(
+            torch.tensor([starts[j] for j in seeded], dtype=torch.long, device=probs.device),
+            torch.tensor([offsets[j] for j in seeded], dtype=torch.long, device=probs.device))
+        choice = coupled.coupled_choice(probs.index_select(0, index), coupled.noise_keys(seeds, where))
+        drawn = drawn.index_copy(0, index, choice)
+    return drawn

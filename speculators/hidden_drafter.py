@@ -48,7 +48,7 @@ import torch
 from specserve.server.models.attention import AttentionMetadata
 from specserve.speculators.base import DraftProposal, VerifiedStep
 from specserve.speculators.draft_kv import DraftKVCache, DraftSeq, KVCache
-from specserve.speculators.draft_sampling import append_drafts, draft_generator
+from specserve.speculators.draft_sampling import append_drafts
 from specserve.speculators.state_stash import TargetStateStash
 
 
@@ -84,7 +84,6 @@ class _HeadSeq:
     kv: DraftSeq
     ends: list[int]                  # [n] layer m holds valid KV for bases [kv.start, ends[m])
     carry: list[torch.Tensor]        # [n] layer m outputs for bases [ends[m+1], ends[m]); last layer: last row
-    generator: torch.Generator | None = None
 
 
 @dataclass
@@ -215,8 +214,7 @@ class HiddenStateDrafter:
         for first in ((0, start) if self.stash is not None and start > 0 else (start,)):
             empty = torch.empty(0, self.head.hidden_size, dtype=self.dtype, device=self.device)   # [0, H]
             seq = self._seqs[req.request_id] = _HeadSeq(
-                kv=DraftSeq(start=first), ends=[first] * self.n, carry=[empty] * self.n,
-                generator=draft_generator(req.sampling_params, self.device))
+                kv=DraftSeq(start=first), ends=[first] * self.n, carry=[empty] * self.n)
             if self.cache.reserve(seq.kv, end):
                 self.num_prefix_catch_ups += first < start
                 if first == start > 0 and self.stash is not None:
@@ -303,7 +301,7 @@ class HiddenStateDrafter:
 
     @staticmethod
     def _sample(items: list[_Live], logits: torch.Tensor) -> None:
-        append_drafts(items, logits, [it.seq.generator for it in items])
+        append_drafts(items, logits)
 
     def release(self, request) -> None:
         self._drafted.discard(request.request_id)

@@ -21,8 +21,8 @@ from packaging_support import REPO, install_target
 
 SPECULATORS_PIN = "speculators==0.9.0"      # vLLM's checkpoint library: its top-level name is `speculators`
 FOLDERS = {"server": "specserve.server", "speculators": "specserve.speculators", "sampling": "specserve.sampling",
-           "specserve": "specserve"}
-BARE_IMPORT = re.compile(r"^\s*(from|import) (server|speculators|sampling)\b", re.M)
+           "grammar": "specserve.grammar", "specserve": "specserve"}
+BARE_IMPORT = re.compile(r"^\s*(from|import) (server|speculators|sampling|grammar)\b", re.M)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
@@ -193,3 +194,20 @@ def test_every_method_has_a_class_to_check_its_options_without_a_model():
         with pytest.raises(ValueError):
             validate_spec(SpecParams(method, 2, {"no_such_option": 1}))
         validate_spec(SpecParams(method, 2))
+
+
+def test_structured_outputs_through_the_engine_process(proc, threaded):
+    """The front end checks the constraint itself (a 400 before the pipe); the engine process compiles its
+    own copy and produces the same constrained output as the in-thread engine."""
+    from specserve.grammar.backend import GrammarError
+    from specserve.sampling.params import StructuredSpec
+    spec = StructuredSpec("regex", "[a-z]{2,6}-[0-9]{2}")
+    params = SamplingParams(temperature=0.0, max_tokens=24, structured=spec)
+    for engine in (proc, threaded):
+        asyncio.run(engine.check_structured(spec))
+        with pytest.raises(GrammarError, match="regex"):
+            asyncio.run(engine.check_structured(StructuredSpec("regex", "(x")))
+    got = asyncio.run(_collect(proc, "p-structured", PROMPT, params, SpecParams("ngram", 3)))
+    want = asyncio.run(_collect(threaded, "t-structured", PROMPT, params, SpecParams("ngram", 3)))
+    assert got == want and got[2] == "stop"
+    assert re.fullmatch("[a-z]{2,6}-[0-9]{2}", got[1])

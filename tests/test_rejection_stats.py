@@ -9,9 +9,14 @@ from the processed target (penalties, bias, min_tokens, temperature, min_p, top_
 
 The test is shown to have teeth: with the draft prefix dropped from the penalties, or with the
 recovered token drawn from the target instead of the residual, the p-value collapses.
+
+Seeded sequences (coupled sampling, sampling/coupled.py: each sequence its own seed, so the noise
+differs between sequences) must follow the same joint distribution; uniform noise in place of Gumbel
+noise fails it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -19,6 +24,7 @@ import pytest
 import torch
 
 import specserve.sampling.penalties as penalties
+from specserve.sampling import coupled
 from specserve.sampling.draft_distribution import DraftDistribution
 from specserve.sampling.outputs import SeqSamplingInput
 from specserve.sampling.params import SamplingParams
@@ -121,8 +127,10 @@ def target_rows(contexts: list[list[int]], drafts: torch.Tensor, ks: list[int]) 
 
 
 def sample_pairs(params: SamplingParams, random_drafts: bool, seed: int,
-                 num_sequences: int = NUM_SEQUENCES) -> torch.Tensor:
-    """[num_sequences] long: t1 * VOCAB + t2 for each sequence's first two emitted tokens."""
+                 num_sequences: int = NUM_SEQUENCES, seeded: bool = False) -> torch.Tensor:
+    """[num_sequences] long: t1 * VOCAB + t2 for each sequence's first two emitted tokens.
+
+    seeded: sequence i is a seeded request (its own seed), verified by coupled sampling."""
     torch.manual_seed(seed)
     draft_generator = torch.Generator().manual_seed(seed + 1)
     sampler = RejectionSampler(eos_token_ids=[EOS])
@@ -132,7 +140,8 @@ def sample_pairs(params: SamplingParams, random_drafts: bool, seed: int,
         contexts = [PROMPT + outputs[i] for i in pending]
         ks = [DRAFTS_PER_SEQUENCE[i % len(DRAFTS_PER_SEQUENCE)] for i in pending]
         drafts, draft_lists, draft_probs = propose(contexts, ks, random_drafts, draft_generator)
-        seqs = [SeqSamplingInput(params, PROMPT, outputs[i], d, draft_probs=p)
+        seqs = [SeqSamplingInput(dataclasses.replace(params, seed=seed * 10**6 + i) if seeded else params,
+                                 PROMPT, outputs[i], d, draft_probs=p)
                 for i, d, p in zip(pending, draft_lists, draft_probs)]
         results = sampler(target_rows(contexts, drafts, ks), seqs)
         for i, out in zip(pending, results):
@@ -166,6 +175,25 @@ def test_speculative_output_matches_target_distribution(config, random_drafts):
     params = CONFIGS[config]
     p_value = chi_square_p_value(sample_pairs(params, random_drafts, seed=7), exact_joint(params))
     assert p_value > 1e-3, f"{config}: p = {p_value:.2e}"
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_coupled_output_matches_target_distribution(config):
+    params = CONFIGS[config]
+    pairs = sample_pairs(params, random_drafts=True, seed=8, seeded=True)
+    p_value = chi_square_p_value(pairs, exact_joint(params))
+    assert p_value > 1e-3, f"{config}: p = {p_value:.2e}"
+
+
+def test_coupled_statistic_has_power_against_non_gumbel_noise(monkeypatch):
+    # Uniform noise in place of Gumbel noise: still an argmax of a perturbed score, the wrong law.
+    def uniform(keys, vocab):
+        return torch.rand(keys.shape[0], vocab, dtype=torch.float64)
+    monkeypatch.setattr(coupled, "gumbel_noise", uniform)
+    params = CONFIGS["plain"]
+    pairs = sample_pairs(params, random_drafts=True, seed=8, num_sequences=BUG_SEQUENCES, seeded=True)
+    p_value = chi_square_p_value(pairs, exact_joint(params))
+    assert p_value < 1e-6, f"p = {p_value:.2e}"
 
 
 def test_statistic_has_power_against_forgetting_the_draft_prefix(monkeypatch):

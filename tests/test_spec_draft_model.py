@@ -150,12 +150,20 @@ def assert_same_proposals(engines, method: str, prompts, params, spec, atol: flo
 
 def reference_probs(logits: torch.Tensor,  # [k, vocab] float32 from a from-scratch forward
                     params: SamplingParams) -> torch.Tensor:
-    """[k, vocab]: softmax(logits / T) after top-k (what the drafter must sample from)."""
-    scaled = logits / params.temperature
+    """[k, vocab]: softmax(logits / T) after min-p (relative to the most likely token), top-k, then
+    top-p over what top-k kept (what the drafter must sample from), in float64."""
+    scaled = logits.double() / params.temperature
+    if params.min_p > 0:
+        probs = scaled.softmax(-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if 0 < params.top_k < logits.shape[1]:
         kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    return scaled.softmax(dim=-1)
+    if params.top_p < 1.0:
+        values, order = scaled.softmax(-1).sort(-1, descending=True)
+        drop = (values.cumsum(-1) - values) >= params.top_p         # the tokens above already reach top_p
+        scaled = scaled.scatter(1, order, values.log().masked_fill(drop, float("-inf")))
+    return scaled.softmax(dim=-1).float()
 
 
 def assert_no_leaks(engine: OfflineEngine) -> None:
@@ -221,8 +229,11 @@ def test_identical_draft_is_accepted_almost_always(dirs):
 def test_draft_probs_are_the_drafts_distribution_recomputed_from_scratch(dirs, engine):
     transformers = pytest.importorskip("transformers")
     log = record_proposals(engine, "draft")
-    params = [SamplingParams(temperature=t, top_k=top_k, seed=seed, max_tokens=20, ignore_eos=True)
-              for t, top_k, seed in ((1.0, 0, 1), (0.7, 50, 2), (1.3, 0, None))]
+    params = [SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, max_tokens=20,
+                             ignore_eos=True)
+              for t, top_k, top_p, min_p, seed in ((1.0, 0, 1.0, 0.0, 1), (0.7, 50, 1.0, 0.0, 2),
+                                                   (1.3, 0, 1.0, 0.0, None), (0.9, 0, 0.8, 0.0, 3),
+                                                   (1.0, 0, 1.0, 0.05, None), (0.8, 40, 0.9, 0.02, 4))]
     try:
         engine.generate(encode(engine), params, SpecParams("draft", 3))
     finally:

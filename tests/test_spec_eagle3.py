@@ -219,7 +219,7 @@ def test_both_layouts_of_the_same_weights_draft_identically(dirs):
 def test_drafts_follow_a_from_scratch_reference_of_the_head(dirs, variant):
     eng = make_engine(dirs["target"], eagle3=str(dirs[variant]), enable_prefix_caching=False)
     log = record_proposals(eng, "eagle3")
-    params = SamplingParams(temperature=1.0, seed=5, max_tokens=14, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_p=0.9, min_p=0.02, seed=5, max_tokens=14, ignore_eos=True)
     eng.generate(encode(eng)[:2], params, SpecParams("eagle3", 4))
     assert len(log) > 5
     for context, drafts, probs, sampling in log[::2]:

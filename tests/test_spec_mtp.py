@@ -159,7 +159,8 @@ def test_mtp_loads_automatically_and_greedy_equals_plain(dirs, engine, layout):
 def test_mtp_drafts_follow_a_from_scratch_reference(dirs, layout, num_mtp, k):
     eng = make_engine(dirs[layout], enable_prefix_caching=False)
     log = record_proposals(eng, "mtp")
-    eng.generate(encode(eng)[:2], SamplingParams(temperature=1.0, seed=8, max_tokens=12, ignore_eos=True),
+    eng.generate(encode(eng)[:2], SamplingParams(temperature=1.0, top_p=0.85, min_p=0.03, seed=8, max_tokens=12,
+                                                 ignore_eos=True),
                  SpecParams("mtp", k))
     assert len(log) > 4
     num_layers = eng.engine.runner.cfg.num_hidden_layers

@@ -139,7 +139,8 @@ def test_a_draft_models_depth_is_paid_once_so_few_takers_do_not_open_it():
     assert [s.num_draft_slots for s in mixed[:2]] == [2, 2] and all(s.num_draft_slots == 0 for s in mixed[2:])
 
 
-def test_seeded_sampling_and_opt_out_keep_their_k():
+def test_seeded_sampling_is_cut_like_any_request_and_opt_out_keeps_its_k():
+    # seeded text does not depend on k (coupled sampling: tests/test_seeded_matrix.py), so no exemption
     p = fitted_policy()
     poor = {"accepted": 2, "attempted": 100}
     seeded = seq("s", 4, temperature=0.8, seed=7, **poor)
@@ -149,8 +150,9 @@ def test_seeded_sampling_and_opt_out_keep_their_k():
     opted_out = ScheduledSeq(req, 1, 4)
     crowd = [seq(f"c{i}", 4, **poor) for i in range(14)]
     p.trim([seeded, unseeded, opted_out, *crowd])
-    assert seeded.num_draft_slots == 4 and opted_out.num_draft_slots == 4
-    assert unseeded.num_draft_slots == 0
+    assert opted_out.num_draft_slots == 4
+    assert seeded.num_draft_slots == unseeded.num_draft_slots == 0
+    assert seeded.request.spec_stats.cuts == {"load": 1}
 
 
 def test_acceptance_prior_comes_from_the_method_history():

@@ -44,13 +44,14 @@ class CompletionServing(Serving):
         prompts = await self._prompts(engine, req)
         spec, notice = self.choose_speculation(engine, req)
         prediction = await self.prediction_ids(engine, req, spec)
+        structured = await self.structured(engine, req)
         max_tokens = [resolve_max_tokens(req.max_tokens, len(p.token_ids), engine.max_model_len,
                                          COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt") for p in prompts]
         vocab = engine.tokenizer.vocab_size
 
         def params_for(p: int, i: int):
             return sampling_params(req, max_tokens=max_tokens[p], logprobs=req.logprobs, index=i,
-                                   vocab_size=vocab)
+                                   vocab_size=vocab, structured=structured)
         call_id = self.new_id("cmpl")
         subs = self.fan_out(call_id, [p.token_ids for p in prompts], req.n, spec, params_for,
                             prediction, prompt_logprobs=req.echo and req.logprobs is not None)

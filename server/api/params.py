@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.sampling.params import SamplingParams
+from specserve.sampling.params import SamplingParams, StructuredSpec
 from specserve.server.api.errors import bad_request
 from specserve.server.api.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.speculators.base import SpecParams
@@ -56,7 +56,8 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str, allow_emp
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
-                    logprobs: int | None, index: int, vocab_size: int) -> SamplingParams:
+                    logprobs: int | None, index: int, vocab_size: int,
+                    structured: StructuredSpec | None = None) -> SamplingParams:
     """SamplingParams for choice `index` of the request (n is fanned out by the caller: n=1 here)."""
     params = SamplingParams(
         n=1,
@@ -76,6 +77,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        structured=structured,
     )
     check_token_ids(list(req.logit_bias or ()), vocab_size, "logit_bias", allow_empty=True)
     check_token_ids(list(req.stop_token_ids or ()), vocab_size, "stop_token_ids", allow_empty=True)

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
-    BaseModel,
     ConfigDict,
     Field,
     Strict,
@@ -28,31 +26,16 @@ from pydantic import (
 )
 
 from specserve.server.api.limits import Limits
+from specserve.server.api.schema_base import OpenAIModel, Text
+from specserve.server.api.structured import ResponseFormat, StructuredOutputs
+from specserve.server.api.tools import NamedToolChoice, Tool
 
 INT32_MAX = 2**31 - 1
+MAX_TOOLS = 128      # OpenAI's limit on functions per request
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-
-
-def _valid_unicode(text: str) -> str:
-    """JSON may carry lone surrogates ("\\ud800"): not text, and the tokenizer cannot take them."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"text must be valid Unicode: unpaired surrogate U+{ord(text[exc.start]):04X} "
-                         f"at character {exc.start}") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]      # every string a request may carry
-
-
-class OpenAIModel(BaseModel):
-    # NaN/inf are never valid numbers here; unknown fields are dropped like OpenAI does. Strict types, as
-    # OpenAI's API: "yes" or "1" is not a boolean, "3" or 1.5 not an integer (an integer is still a number).
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(OpenAIModel):
@@ -112,6 +95,9 @@ class _SamplingFields(OpenAIModel):
     # ours
     speculation: Speculation | None = None
     prediction: Prediction | None = None
+    # structured outputs (server/api/structured.py): OpenAI's response_format, vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     request_timeout: float | None = Field(
         None, gt=0, le=86400, description="seconds from arrival to the last token; past it every "
         "unfinished choice ends with finish_reason 'length' (the server's --request-timeout still applies)")
@@ -197,32 +183,36 @@ class ChatMessage(OpenAIModel):
         return out
 
 
-class ResponseFormat(OpenAIModel):
-    type: Text = Field(max_length=64)
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise ValueError("tools (function calling) are not supported by this server")
-        return value
+    @model_validator(mode="after")
+    def _tool_choice_rules(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or ()]
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice other than 'none' needs `tools`")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools "
+                             f"({names})")
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        if self.uses_tools and (self.structured_outputs is not None or (
+                self.response_format is not None and self.response_format.type != "text")):
+            raise ValueError("tools cannot be combined with response_format or structured_outputs: "
+                             "tool calls are constrained by the functions' own parameter schemas")
+        return self
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: ResponseFormat | None) -> ResponseFormat | None:
-        if value is not None and value.type != "text":
-            raise ValueError(f"response_format {value.type!r} is not supported; only 'text'")
-        return value
+    @property
+    def uses_tools(self) -> bool:
+        """Whether tools are in play (tool_choice 'none', or no tools, answers in text)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("top_logprobs")
     @classmethod

@@ -57,6 +57,9 @@ class SpeculationInfo(BaseModel):
     accepted_per_position: list[int] = Field(default_factory=list)
     num_steps_k_reduced: int = 0          # steps where the server's goodput policy drafted fewer than k
     cuts: dict[str, int] | None = None    # reason -> steps affected
+    # structured outputs: steps where the grammar forbade a draft (rejected at that position; the token
+    # emitted there came from the grammar-masked distribution). Absent for free-text requests.
+    grammar_rejected: int | None = None
     requested: SpeculationRequested | None = None
     notice: str | None = None
 
@@ -83,6 +86,8 @@ class SpeculationInfo(BaseModel):
                    mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
                    accepted_per_position=per_pos, cuts=cuts or None,
                    num_steps_k_reduced=cuts.get("load", 0))
+        if any(s.grammar_rejected for s in stats):
+            info.grammar_rejected = sum(s.grammar_rejected for s in stats)
         words = [notice] if notice is not None else []
         words += [f"{CUT_REASONS.get(r, r)} ({n} step{'s' if n != 1 else ''})"
                   for r, n in cuts.items() if r != "prediction_ignored"]
@@ -149,10 +154,22 @@ class ChatLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str                  # JSON text, as OpenAI returns it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -173,9 +190,22 @@ class ChatCompletionResponse(BaseModel):
     speculation: SpeculationInfo | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

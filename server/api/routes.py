@@ -148,4 +148,16 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     engine = state.require_engine()
     return {"id": engine.model_name, "object": "model", "created": state.created, "owned_by": "specserve",
             "root": state.engine_config.model or engine.model_name, "parent": None,
-            "max_model_len": engine.max_model_len, "speculators": engine.speculators()}
+            "max_model_len": engine.max_model_len, "speculators": engine.speculators(),
+            "structured_outputs": _structured_card(state)}
+
+
+def _structured_card(state: ServerState) -> dict[str, Any]:
+    """What structured outputs and tool calls this server takes (README: Structured outputs)."""
+    cfg = state.engine_config
+    return {"response_format": ["text", "json_object", "json_schema"],
+            "structured_outputs": ["json", "regex", "choice", "grammar", "json_object"],
+            "tool_choice": ["none", "auto", "required", "function"], "tool_call_parser": cfg.tool_call_parser,
+            "backend": "llguidance", "max_grammar_bytes": cfg.max_grammar_bytes,
+            "grammar_compile_timeout_s": cfg.grammar_compile_timeout,
+            "speculation": "exact with every method: drafts are verified under the grammar's mask"}

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from specserve.sampling.params import SamplingParams
+from specserve.sampling.params import SamplingParams, StructuredSpec
 from specserve.server.api.errors import bad_request
 from specserve.server.api.generation import ChoiceState, SubRequest, collect, fan_in
 from specserve.server.api.params import speculation
@@ -29,6 +29,8 @@ from specserve.server.api.responses import (
     Usage,
 )
 from specserve.server.api.state import ServerState
+from specserve.server.api.structured import request_spec
+from specserve.server.api.tools import forced_spec
 from specserve.speculators.base import SpecParams
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
@@ -91,6 +93,23 @@ class Serving:
         if notice is not None:
             self.state.metrics.on_spec_refused("prediction_ignored")
         return spec, notice
+
+    async def structured(self, engine: Any, req: AnyRequest) -> StructuredSpec | None:
+        """The request's output constraint (response_format, structured_outputs, or a forced tool call),
+        compiled off the event loop; 400 naming the problem when it cannot be used."""
+        try:
+            spec, param = request_spec(req.response_format, req.structured_outputs)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="response_format") from None
+        if isinstance(req, ChatCompletionRequest) and req.uses_tools:
+            spec, param = forced_spec(req.tools or [], req.tool_choice, req.parallel_tool_calls), "tools"
+        if spec is None:
+            return None
+        try:
+            await engine.check_structured(spec)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param, code="invalid_structured_output") from None
+        return spec
 
     async def prediction_ids(self, engine: Any, req: AnyRequest, spec: SpecParams) -> list[int] | None:
         """Predicted Outputs' text as token ids (the prediction speculator's draft source)."""
@@ -164,5 +183,16 @@ class Serving:
         for choice in data.get("choices", ()):
             if "delta" in choice:
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+                for call in choice["delta"].get("tool_calls", ()):
+                    _drop_none(call)
         return data
 
+
+
+def _drop_none(data: dict[str, Any]) -> None:
+    """Tool-call deltas carry only what is new (OpenAI omits id, type and name after the first)."""
+    for key in [k for k, v in data.items() if v is None]:
+        del data[key]
+    for value in data.values():
+        if isinstance(value, dict):
+            _drop_none(value)

@@ -40,6 +40,7 @@ class AsyncEngine(EngineFrontend):
         super().__init__(config, model_name, on_step)
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.grammars = engine.grammars     # shared: the HTTP side's compile warms the engine's cache
         self.max_model_len = engine.max_model_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

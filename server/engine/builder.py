@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from specserve.grammar.compiler import GrammarCompiler, GrammarLimits
+from specserve.grammar.llguidance_backend import LLGuidanceBackend
 from specserve.server.config import EngineConfig
 from specserve.server.engine.engine import Engine
 from specserve.server.engine.model_runner import ModelRunner
@@ -113,7 +115,18 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
         compile_models(runner, spec.speculators)
     if cfg.speculation_policy == "goodput":     # timed with the aux taps on, before any request exists
         spec.policy = calibrated_policy(runner, cfg.max_num_seqs)
-    return Engine(runner, sched, tokenizer, sampler, spec, max_len), cfg.served_model_name or name
+    grammars = build_grammar_compiler(cfg, tok_dir, mcfg.vocab_size, tokenizer.eos_token_ids)
+    return Engine(runner, sched, tokenizer, sampler, spec, max_len, grammars), cfg.served_model_name or name
+
+
+def build_grammar_compiler(cfg: EngineConfig, tok_dir: str | Path, vocab_size: int,
+                           eos_token_ids: list[int]) -> GrammarCompiler:
+    """Structured outputs: the grammar library over this tokenizer, with the server's limits (the engine
+    and, with --engine-process, the front end that checks requests build the same one)."""
+    backend = LLGuidanceBackend(tok_dir, vocab_size, eos_token_ids)
+    return GrammarCompiler(backend, GrammarLimits(max_bytes=cfg.max_grammar_bytes,
+                                                  timeout_s=cfg.grammar_compile_timeout,
+                                                  cache_size=cfg.grammar_cache_size))
 
 
 def check_default_speculation(cfg: EngineConfig, spec: SpecDispatcher) -> None:

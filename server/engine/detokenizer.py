@@ -32,8 +32,11 @@ class IncrementalDetokenizer:
         self.text = ""
         self.sent = 0          # chars of `text` already handed out
 
-    def append(self, token_id: int) -> str | None:
-        """Add one token; return the stop string it completed, if any (text is then cut)."""
+    def append(self, token_id: int, may_stop: bool = True) -> str | None:
+        """Add one token; return the stop string it completed, if any (text is then cut).
+
+        may_stop False (the request is still short of min_tokens): its text is not searched, so a stop
+        string completed now neither ends the request nor cuts the text, later or ever (as in vLLM)."""
         self.tokens.append(token_id)
         prefix_text = self.tok.decode(self.tokens[self.prefix_offset:self.read_offset])
         new_text = self.tok.decode(self.tokens[self.prefix_offset:])
@@ -42,7 +45,7 @@ class IncrementalDetokenizer:
         old_len = len(self.text)
         self.text += new_text[len(prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        if not self.stop:
+        if not self.stop or not may_stop:
             return None
         start = max(0, old_len - self.max_stop_len + 1)
         best = None

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from specserve.grammar.compiler import GrammarCompiler
 from specserve.sampling.outputs import SeqSamplingInput, SeqSamplingOutput
 from specserve.sampling.params import SamplingParams
 from specserve.server.engine.detokenizer import IncrementalDetokenizer
@@ -24,7 +26,7 @@ from specserve.server.engine.request import Request
 from specserve.server.engine.request_checks import RequestChecks
 from specserve.server.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.server.engine.spec_dispatch import SpecDispatcher
-from specserve.server.engine.stats import StepStats
+from specserve.server.engine.stats import SpecStepStats, StepStats
 from specserve.server.engine.tokenizer import Tokenizer
 from specserve.speculators.base import SpecParams
 
@@ -36,15 +38,16 @@ class _Live:
     """Engine-side state of a request that the scheduler does not need."""
     request: Request
     detok: IncrementalDetokenizer
-    generator: torch.Generator | None
     stop_ids: frozenset[int]
     last_emit_time: float | None = None
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer: Tokenizer, sampler,
-                 spec: SpecDispatcher, max_model_len: int) -> None:
+                 spec: SpecDispatcher, max_model_len: int, grammars: GrammarCompiler | None = None) -> None:
         self.runner = runner
+        self.grammars = grammars      # compiles structured-output constraints; None: they are refused
+        self._mask_pool: ThreadPoolExecutor | None = None
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.sampler = sampler
@@ -61,6 +64,10 @@ class Engine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.checks.validate(prompt_token_ids, params)
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured outputs are not available on this engine")
+            self.grammars.compile(params.structured)   # GrammarError (a ValueError) names the problem
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     spec: SpecParams, prediction_token_ids: list[int] | None = None,
@@ -70,15 +77,15 @@ class Engine:
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, spec,
                       prediction_token_ids=prediction_token_ids, needs_prompt_logprobs=prompt_logprobs)
-        gen = None
-        if params.seed is not None and not params.greedy:
-            gen = torch.Generator(device=self.runner.device)
-            gen.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
+        if params.structured is not None:
+            req.grammar = self.grammars.start(params.structured)   # a cache hit: validate compiled it
+        # A seeded request carries no generator: its noise is keyed by position (sampling/coupled.py), so
+        # nothing about it has to survive a preemption or depend on how many drafts a step verified.
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.tokenizer.eos_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer, list(params.stop), params.include_stop_str_in_output)
-        self.live[request_id] = _Live(req, detok, gen, frozenset(stop_ids))
+        self.live[request_id] = _Live(req, detok, frozenset(stop_ids))
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -111,10 +118,12 @@ class Engine:
             outputs = [out] if out is not None else []
         if sched.seqs:
             drafts, draft_probs = self.spec.propose(sched.seqs, stats)
+            masks = self._start_masks(sched.seqs, drafts)
             t0 = time.perf_counter()
             batch = self.runner.prepare(sched.seqs, drafts)
             result = self.runner.execute(batch)
-            outputs = self._sample_and_update(sched.seqs, drafts, draft_probs, result, stats)
+            outputs = self._sample_and_update(sched.seqs, drafts, draft_probs, result, stats,
+                                              masks.result() if masks is not None else {})
             # forward + sampling (the sampler's host copy makes this honest on CUDA too)
             self.spec.observe_step(sched.seqs, drafts, time.perf_counter() - t0)
         self.scheduler.remove_finished()
@@ -124,7 +133,7 @@ class Engine:
         return outputs, stats
 
     def _sample_and_update(self, seqs: list[ScheduledSeq], drafts: list[list[int]], draft_probs: list,
-                           result: StepResult, stats: StepStats) -> list[RequestOutput]:
+                           result: StepResult, stats: StepStats, masks: dict) -> list[RequestOutput]:
         batch = result.batch
         computed_before = [s.request.num_computed_tokens for s in seqs]
         inputs: list[SeqSamplingInput] = []
@@ -138,12 +147,16 @@ class Engine:
             inputs.append(SeqSamplingInput(
                 params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids, draft_token_ids=drafts[i],
-                draft_probs=draft_probs[i], generator=self.live[req.request_id].generator))
+                draft_probs=draft_probs[i],
+                grammar_mask=self._grammar_mask(req, masks.get(i), len(drafts[i]), stats)))
         sampled: list[SeqSamplingOutput] = []
         if inputs:
             row_idx = torch.cat(rows).to(result.logits.device)
             sampled = self.sampler(result.logits.index_select(0, row_idx), inputs)
-        self.spec.update([s.request for s in seqs if s.samples], sampled,
+        # Stops and max_tokens first: the counters below must see what is really kept (an accepted run can
+        # cross a stop token, and its later drafts are then neither output nor valid KV).
+        sampled = [self._truncate(seq, out) for seq, out in zip([s for s in seqs if s.samples], sampled)]
+        self.spec.update([s.request for s in seqs if s.samples], [out for out, _ in sampled],
                          [d for d, s in zip(drafts, seqs) if s.samples], stats)
         outputs: list[RequestOutput] = []
         accepted = [0] * len(seqs)
@@ -155,9 +168,9 @@ class Engine:
                 stats.num_prompt_tokens += min(seq.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
             plp = prompt_logprobs_rows(req, seq, batch, i, result.logits) if batch.num_prompt_rows[i] else None
             if seq.samples:
-                sample = next(it)
+                sample, reason = next(it)
                 accepted[i] = sample.num_accepted
-                out = self._emit(seq, sample, now, plp, stats)
+                out = self._emit(seq, sample, reason, now, plp, stats)
                 stats.num_generation_tokens += len(out.token_ids)
                 outputs.append(out)
             else:
@@ -167,8 +180,43 @@ class Engine:
         self.spec.observe(seqs, computed_before, accepted, result)
         return outputs
 
-    def _emit(self, seq: ScheduledSeq, out: SeqSamplingOutput, now: float, plp,
-              stats: StepStats) -> RequestOutput:
+    def _start_masks(self, seqs: list[ScheduledSeq], drafts: list[list[int]]) -> Future | None:
+        """Structured outputs' masks for this step's rows, computed on a worker thread while the target's
+        forward runs (the grammar library releases the GIL): seq index -> (mask, leading valid drafts)."""
+        work = [(i, s.request.grammar, drafts[i]) for i, s in enumerate(seqs)
+                if s.samples and s.request.grammar is not None]
+        if not work:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-masks")
+        return self._mask_pool.submit(lambda: {i: grammar.row_masks(d) for i, grammar, d in work})
+
+    @staticmethod
+    def _grammar_mask(req: Request, found: tuple[torch.Tensor, int] | None, num_drafts: int,
+                      stats: StepStats) -> torch.Tensor | None:
+        """[num_drafts + 1, vocab] bool: the grammar's allowed tokens at each verification row (None: free
+        text). A draft the grammar forbids is counted; the verifier rejects it at its position."""
+        if found is None:
+            return None
+        mask, n_valid = found
+        if n_valid < num_drafts:
+            req.spec_stats.grammar_rejected += 1
+            method = req.spec_params.method
+            stats.spec.setdefault(method, SpecStepStats()).num_grammar_rejected += 1
+        return mask
+
+    @staticmethod
+    def _grammar_finished(req: Request, tok: int) -> bool:
+        """Advance the request's grammar over an emitted token; True once the constraint is complete (the
+        grammar admits nothing but the end, so the request ends without spending a step on EOS)."""
+        if req.grammar is None:
+            return False
+        req.grammar.commit([tok])
+        return req.grammar.is_finished
+
+    def _truncate(self, seq: ScheduledSeq, out: SeqSamplingOutput) -> tuple[SeqSamplingOutput, str | None]:
+        """The tokens the request keeps (up to its first stop token, stop string or length limit) and why it
+        ends, if it does. num_accepted counts only the kept drafts: the last kept token has no valid KV."""
         req = seq.request
         live = self.live[req.request_id]
         params = req.sampling_params
@@ -177,17 +225,31 @@ class Engine:
         for tok in out.token_ids:
             emitted.append(tok)
             n_out = req.num_output_tokens + len(emitted)
-            stop_str = live.detok.append(tok)
-            if tok in live.stop_ids and n_out > params.min_tokens:
+            # min_tokens gates stop ids and stop strings alike: the first min_tokens tokens never end it
+            may_stop = n_out > params.min_tokens
+            stop_str = live.detok.append(tok, may_stop)
+            if may_stop and tok in live.stop_ids:
                 reason, req.stop_reason = "stop", tok
             elif stop_str is not None:
                 reason, req.stop_reason = "stop", stop_str
+            elif self._grammar_finished(req, tok):
+                reason = "stop"
             elif n_out >= params.max_tokens or req.num_tokens + len(emitted) >= self.max_model_len:
                 reason = "length"
             if reason:
                 break
-        self.scheduler.update(seq, out.num_accepted, emitted)
         logprobs = out.logprobs[:len(emitted)] if out.logprobs is not None else None
+        kept = SeqSamplingOutput(token_ids=emitted, num_accepted=min(out.num_accepted, len(emitted) - 1),
+                                 logprobs=logprobs)
+        return kept, reason
+
+    def _emit(self, seq: ScheduledSeq, out: SeqSamplingOutput, reason: str | None, now: float, plp,
+              stats: StepStats) -> RequestOutput:
+        """Book the kept tokens `out` (from _truncate), finish the request if `reason`, build its output."""
+        req = seq.request
+        live = self.live[req.request_id]
+        emitted, logprobs = out.token_ids, out.logprobs
+        self.scheduler.update(seq, out.num_accepted, emitted)
         if req.first_token_time is None:
             req.first_token_time = now
         elif live.last_emit_time is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from specserve.sampling.params import SamplingParams
+from specserve.sampling.params import SamplingParams, StructuredSpec
 from specserve.server.config import EngineConfig, parse_speculation
 from specserve.server.engine.errors import EngineDeadError
 from specserve.server.engine.messages import Abort, AddRequest
@@ -54,6 +54,14 @@ class EngineFrontend:
                              f"{self.config.max_speculative_tokens}], got {params.num_speculative_tokens}")
         self._check_spec(params)
         return params
+
+    async def check_structured(self, spec: StructuredSpec) -> None:
+        """Compile a structured-output constraint on a worker thread, never on the event loop (GrammarError,
+        a ValueError naming the problem, when it cannot be used). The compiled grammar stays cached."""
+        grammars = getattr(self, "grammars", None)
+        if grammars is None:
+            raise ValueError("structured outputs are not available on this server")
+        await asyncio.to_thread(grammars.compile, spec)
 
     # -- requests ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from specserve.sampling.params import SamplingParams
 from specserve.server.config import EngineConfig
+from specserve.server.engine.builder import build_grammar_compiler
 from specserve.server.engine.engine_worker import worker_main
 from specserve.server.engine.frontend import EngineFrontend
 from specserve.server.engine.messages import (
@@ -69,6 +70,9 @@ class ProcessEngine(EngineFrontend):
         super().__init__(config, info.model_name, on_step)
         self.info = info
         self.tokenizer = Tokenizer(info.tokenizer_dir)
+        # checks structured-output constraints before they cross the pipe (the engine compiles its own)
+        self.grammars = build_grammar_compiler(config, info.tokenizer_dir, info.checks.vocab_size,
+                                               self.tokenizer.eos_token_ids)
         self.max_model_len = info.checks.max_model_len
         self._gauges = Gauges(0, 0, info.checks.num_blocks)
         self._stopping = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from specserve.sampling.params import SamplingParams
 from specserve.speculators.base import SpecParams, SpecStats
@@ -39,6 +40,9 @@ class Request:
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # matched stop string or stop token id
     spec_stats: SpecStats = field(default_factory=SpecStats)
+    # specserve.grammar.state.GrammarState of a structured-output request (None: free text); drafters and
+    # the verifier mask with it
+    grammar: Any = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     itl: list[float] = field(default_factory=list)     # gaps between output events (seconds)

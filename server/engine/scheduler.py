@@ -118,6 +118,8 @@ class Scheduler:
         remaining = req.sampling_params.max_tokens - req.num_output_tokens - 1
         room = self.max_model_len - req.num_tokens
         k = max(0, min(asked, remaining, room))
+        # Cutting k is safe for every request: greedy and seeded sampled text do not depend on it
+        # (sampling/coupled.py), unseeded sampled text keeps its distribution.
         if budget_left < k:
             out.spec_reduced["token_budget"] = out.spec_reduced.get("token_budget", 0) + 1
             req.spec_stats.cut("token_budget")

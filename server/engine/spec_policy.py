@@ -20,8 +20,9 @@ depth d_m / n_m per request instead, as if all n_m of them drafted, opened depth
 among many and paid the whole forward for their tokens: at concurrency 16, EAGLE-3 / MTP under this policy
 ran at 0.68-0.79x plain against 0.84-1.08x with k fixed; with depths paid once, 0.85-1.17x.
 
-What it never touches: greedy output (k never changes what a greedy request emits) and seeded sampled
-requests (their k stays as asked, so a seed reproduces the same text whatever the load). It only cuts
+What it never changes: any request's text. k never changes what a greedy request emits, nor what a seeded
+sampled one emits (coupled sampling, sampling/coupled.py: tests/test_seeded_matrix.py shows it for every
+method, both k and token-budget cuts), so it may cut those too. It only cuts
 k, never raises it, and each cut is counted: `spec_decode_refused_total{reason="load"}` and the response's
 `speculation.cuts["load"]` (also `num_steps_k_reduced`). Requests opt out with `"adaptive": false` in their
 `speculation`.
@@ -231,5 +232,5 @@ def _adaptive(seq: ScheduledSeq) -> bool:
     req = seq.request
     if not req.spec_params.adaptive:
         return False
-    p = req.sampling_params
-    return p.greedy or p.seed is None       # a seeded sampled request keeps its k: the seed must reproduce
+    # No exemption for seeded sampled requests: their text does not depend on k (sampling/coupled.py).
+    return True

@@ -12,6 +12,7 @@ class SpecStepStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)    # [max k in step]
     tokens_per_step: list[int] = field(default_factory=list)     # per verifying request: accepted + 1
+    num_grammar_rejected: int = 0    # requests whose drafts the grammar forbade at some position this step
 
 
 @dataclass

@@ -96,13 +96,17 @@ class Tokenizer:
             return [self._byte_decoder[c] for c in tok]
         return list(tok.encode("utf-8"))
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """`tools`: OpenAI-shaped function definitions, which templates that know tools render (HF's
+        convention: the template reads a `tools` variable, None when the request has none)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     tools=tools)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt))
