@@ -14,6 +14,8 @@ def build_request(model: str, row: dict, args, stream: bool = True) -> dict:
     if args.method and args.method != "off":
         extra["speculation"] = {"method": args.method,
                                 "num_speculative_tokens": 0 if args.method == "none" else args.k}
+        if getattr(args, "fixed_k", False):      # draft every k asked for: the server's goodput policy off
+            extra["speculation"]["adaptive"] = False
     if args.method == "prediction" and row.get("prediction"):
         extra["prediction"] = {"type": "content", "content": row["prediction"]}
     if getattr(args, "ignore_eos", False):

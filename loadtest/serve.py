@@ -180,6 +180,8 @@ def parse_args(argv=None):
         "'off' sends no speculation field, for servers that do not know it)",
     )
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--fixed-k", action="store_true",
+                    help='send "adaptive": false: the server drafts every k, whatever its goodput policy')
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1])
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
