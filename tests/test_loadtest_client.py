@@ -18,7 +18,8 @@ def test_raw_body_merges_extra_body_like_the_openai_client():
 
 def test_both_clients_measure_the_same_requests(server_url, tmp_path):
     """Greedy requests through aiohttp and through the openai package: same completions, same token counts,
-    the same drafts counted by the server (k fixed: the goodput policy's cuts depend on step timings), and a TTFT and ITL per request from the chunks each saw."""
+    the same drafts counted by the server (k fixed: the goodput policy's cuts depend on step timings), and a
+    TTFT and ITL per request from the chunks each saw."""
     res = {}
     for client in ("aiohttp", "openai"):
         out = tmp_path / f"{client}.json"

@@ -257,8 +257,10 @@ def live(prometheus_installed: None, tiny_model_dir: Path,
         url = server.wait_ready()
         # Traffic only after a scrape saw the series at 0 (created when the model got ready): rate()
         # then extrapolates accepted and draft-token counters alike and their ratio is exact.
+        loaded = [d for d in httpx.get(f"{url}/v1/speculators", timeout=10).json()["data"]
+                  if d["method"] != "none"]                                    # one series per method
         prom.wait_for(f'count(specserve:spec_decode_num_draft_tokens_total{{model_name="{SERVED_NAME}"}} == 0)',
-                      2.0)
+                      float(len(loaded)))
         expected = Expected()
         _send_traffic(url, expected)
         sel = f'{{model_name="{SERVED_NAME}"}}'

@@ -23,6 +23,7 @@ from test_spec_eagle3 import eagle_weights, write_eagle_original
 from test_spec_mtp import write_mtp_target
 
 from specserve.sampling.params import SamplingParams
+from specserve.server.engine.spec_policy import GoodputPolicy
 from specserve.speculators.base import SpecParams
 
 LONG = [TEXTS[0] * 3, TEXTS[2] * 3 + " 4]\n"]     # several 16-token blocks each
@@ -112,13 +113,14 @@ def test_the_stash_queues_rows_and_a_reused_slot_keeps_the_later_row():
     assert stash._pending_rows == 0 and stash.states[[4, 5, 6, 7, 0]].eq(2).all()
 
 
-class _DraftOneStepInThree:
-    """Stands in for the goodput policy: each request drafts on its 1st, 4th, 7th... step only."""
+class _DraftOneStepInThree(GoodputPolicy):
+    """The goodput policy with a fixed cut: each request drafts on its 1st, 4th, 7th... step only."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.steps: dict[str, int] = {}
 
-    def trim(self, seqs) -> int:
+    def trim(self, seqs, methods=None) -> int:
         cut = 0
         for s in seqs:
             if s.num_draft_slots > 0:
@@ -126,10 +128,6 @@ class _DraftOneStepInThree:
                 if n % 3:
                     s.num_draft_slots, cut = 0, cut + 1
         return cut
-
-    def observe_propose(self, *args) -> None: ...
-    def observe_acceptance(self, *args) -> None: ...
-    def observe_step(self, *args) -> None: ...
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
