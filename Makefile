@@ -9,7 +9,7 @@ PORT ?= 8000
 ARGS ?=
 SPECULATORS_PIN := speculators==0.9.0
 
-.PHONY: venv system-deps serve test test-structured-soak test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report bench-coupled gpu-check lint clean
+.PHONY: venv system-deps serve test test-structured-soak test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report bench-coupled bench-structured bench-auto bench-tp bench-metrics gpu-check lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -105,5 +105,13 @@ bench-tp: venv
 
 bench-metrics: venv
 	$(BIN)/python -m loadtest.bench_metrics $(ARGS)
+
+# JSON-schema completions: grammar overhead without speculation, and each method's speedup with and without it.
+bench-structured: venv
+	$(BIN)/python -m loadtest.bench_structured $(ARGS)
+
+# suffix and auto against the fixed methods on repeated, agentic, mixed and fresh workloads.
+bench-auto: venv
+	$(BIN)/python -m loadtest.bench_auto $(ARGS)
 
 include training/Makefile.inc
