@@ -27,6 +27,7 @@ from specserve.server.models.embedded import require as embedded_family
 from specserve.server.models.loader import build_random_model
 from specserve.server.models.parallel_layers import TPGroup
 from specserve.server.models.shard_loader import hf_tensors
+from specserve.speculators.base import SpecParams
 
 WIDE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=5632,
             num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
@@ -86,7 +87,7 @@ def timed_generate(llm: LLM, prompts: list[str], new: int, threads: int) -> tupl
     runner.execute = execute
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, "none")
+    outs = llm.generate(prompts, params, SpecParams("none", 0))
     elapsed = time.perf_counter() - start
     runner.execute = original
     return sum(len(o.token_ids) for o in outs) / elapsed, spent[0]
@@ -117,13 +118,13 @@ def bench_model(label: str, model: str | None, args: argparse.Namespace, timer: 
             "ratio": best["tp2"] / best["tp1"], "collective_share": sorted(shares)[len(shares) // 2]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=4, choices=range(1, len(PROMPTS) + 1))
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--models", nargs="+", default=["embedded", "wide"], choices=["embedded", "wide"])
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.manual_seed(0)
     timer = CollectiveTimer()
     rows = []
@@ -139,6 +140,7 @@ def main() -> None:
         print(f"| {r['model']} | {r['tp1_tok_s']:.1f} | {r['tp2_tok_s']:.1f} | {r['ratio']:.2f}x | "
               f"{100 * r['collective_share']:.0f}% |")
     print(json.dumps(rows))
+    return rows
 
 
 if __name__ == "__main__":
