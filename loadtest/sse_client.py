@@ -33,8 +33,8 @@ def _error_text(payload: Any) -> str:
     return str(payload)[:200]
 
 
-async def stream_completion(session, url: str, body: dict[str, Any], headers: dict[str, str]) -> RequestRecord:
-    """POST url with body (stream=True) on an aiohttp session; times every content chunk.
+async def stream_completion(http, url: str, body: dict[str, Any], headers: dict[str, str]) -> RequestRecord:
+    """POST url with body (stream=True) on an aiohttp ClientSession `http`; times every content chunk.
 
     TTFT / ITL / E2EL as loadtest.serve_metrics defines them: a chunk counts when its first choice
     carries text; output tokens come from the final usage chunk (stream_options.include_usage).
@@ -42,7 +42,7 @@ async def stream_completion(session, url: str, body: dict[str, Any], headers: di
     rec = RequestRecord(ok=False)
     t0 = time.perf_counter()
     try:
-        async with session.post(url, json=raw_body(body), headers=headers) as resp:
+        async with http.post(url, json=raw_body(body), headers=headers) as resp:
             if resp.status != 200:
                 text = await resp.text()
                 try:

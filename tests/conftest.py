@@ -26,6 +26,18 @@ MAX_MODEL_LEN = 512
 STARTUP_TIMEOUT_S = 180
 
 
+@pytest.fixture(scope="module")
+def single_torch_thread() -> Iterator[None]:
+    """One torch thread for a module of tiny models: on a shared 2-core machine OpenMP spin-waits make
+    2 threads ~100x slower than 1. Use with `pytestmark = pytest.mark.usefixtures("single_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer, 64-wide random Llama with the project tokenizer, saved in HF layout (safetensors)."""

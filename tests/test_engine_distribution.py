@@ -34,12 +34,7 @@ TARGET_SCALE = 1.0
 EAGLE_SCALE = 1.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def target_tensors(cfg: dict) -> dict:

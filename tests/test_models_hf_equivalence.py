@@ -51,13 +51,7 @@ CASES = {  # name -> (HF config class, overrides, max_shard_size or None)
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    # Tiny matmuls: on a shared 2-core machine OpenMP spin-waits make 2 threads ~100x slower than 1.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def make_hf_model(config_cls: str, overrides: dict, seed: int = 0):

@@ -16,7 +16,6 @@ A planted bug (noise keyed by the step's first position instead of each row's) m
 from __future__ import annotations
 
 import pytest
-import torch
 from test_spec_draft_model import encode, make_engine
 from test_spec_eagle3 import eagle_weights, write_eagle_original
 from test_spec_mtp import write_mtp_target
@@ -43,12 +42,7 @@ def cell_seed(c: int) -> int:
     return 1000 + 7919 * c
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,10 @@
 
 Every text file in the checkout (`git ls-files`, tracked and untracked-but-not-ignored; a walk of the tree when
 git is unavailable) is scanned line by line for wording about the work process: references to tickets by
-number ("issue 7", "issue #3", "issues 3 and 4", "the issue's bars"), to work sittings ("ninth session",
-"two sessions", "session 1", "this session"), to borrowed machines ("when a GPU is lent") and to deferred
-work ("left for a later ..."). Binary files, `*.safetensors`, `tokenizer.json` vocabularies and this file
-(whose samples contain the words on purpose) are skipped.
+number, to work sittings (counted, numbered or "this" one), to borrowed machines and to deferred work;
+PROCESS_WORDING below is the exact rule, and test_the_pattern_catches_process_wording lists phrases it must
+catch. Binary files, `*.safetensors`, `tokenizer.json` vocabularies and this file (whose samples contain the
+words on purpose) are skipped.
 
 In Python files only comments and string literals are scanned (via `tokenize`), so identifiers such as
 `session`, `ClientSession` or `session.post(...)` are never read as prose. The word "session" also passes in

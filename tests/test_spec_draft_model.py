@@ -175,12 +175,7 @@ def assert_no_leaks(engine: OfflineEngine) -> None:
             assert cache.num_free_blocks == cache.num_blocks, method
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 # ------------------------------------------------------------------------- fixtures

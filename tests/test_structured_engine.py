@@ -13,7 +13,6 @@ import json
 
 import jsonschema
 import pytest
-import torch
 from test_spec_draft_model import make_engine, write_llama
 from test_spec_eagle3 import eagle_weights, write_eagle_original
 from test_spec_mtp import write_mtp_target
@@ -36,12 +35,7 @@ PROMPTS = ['{"name": "ab", "count": 1, "ok": true, "tags": []}\n{"name": "ab", "
            "Answer as JSON: ", "abc-12.de abc-12.de abc-"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

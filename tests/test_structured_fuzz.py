@@ -12,7 +12,6 @@ import random
 
 import jsonschema
 import pytest
-import torch
 from test_spec_draft_model import make_engine, write_llama
 from test_spec_eagle3 import eagle_weights, write_eagle_original
 from test_spec_mtp import write_mtp_target
@@ -42,12 +41,7 @@ PROMPTS = ['{"id": 3, "ok": true} {"id": 3, "ok": ', "[1, 2, 3] [1, 2, ", "Reply
            '{"name": "ab", "kind": "bb"} {"name": "ab", ']
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")
