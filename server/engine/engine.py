@@ -155,9 +155,10 @@ class Engine:
             sampled = self.sampler(result.logits.index_select(0, row_idx), inputs)
         # Stops and max_tokens first: the counters below must see what is really kept (an accepted run can
         # cross a stop token, and its later drafts are then neither output nor valid KV).
-        sampled = [self._truncate(seq, out) for seq, out in zip([s for s in seqs if s.samples], sampled)]
-        self.spec.update([s.request for s in seqs if s.samples], [out for out, _ in sampled],
-                         [d for d, s in zip(drafts, seqs) if s.samples], stats)
+        sampling = [i for i, s in enumerate(seqs) if s.samples]
+        sampled = [self._truncate(seqs[i], out) for i, out in zip(sampling, sampled)]
+        self.spec.update([seqs[i].request for i in sampling], [out for out, _ in sampled],
+                         [drafts[i] for i in sampling], stats)
         outputs: list[RequestOutput] = []
         accepted = [0] * len(seqs)
         it = iter(sampled)
