@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from specserve.speculators.base import BuildContext, DraftProposal, SpecRequest, Speculator, VerifiedStep
 
 LOOKUPS = ("suffix", "ngram")           # members whose draft is known before choosing (no model)
-NOT_MEMBERS = ("prediction",)
+NOT_MEMBERS = ("prediction", "hybrid")   # hybrid: its lookup and its drafter are members
 MIN_LOOKUP = 2                          # longest_lookup: drafts below this fall to a model drafter
 
 # chooser(request, k, lengths: method -> drafts it would verify) -> a member's name or "none"

@@ -37,6 +37,12 @@ SEPARATOR = -1
 _BASE = np.uint64(0x100000001B3)
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _POWERS = {n: _BASE ** np.arange(n - 1, -1, -1, dtype=np.uint64) for n in LEVELS}   # [n] uint64
+# The same hash in Python ints, for the few tokens a decode step appends and the one tail a lookup hashes:
+# there numpy's per-call overhead (~1 µs per operation, dozens per level) costs more than the arithmetic.
+SMALL = 16                     # extend() appends up to this many tokens without numpy
+_M64 = (1 << 64) - 1
+_POWERS_INT = {n: [int(x) for x in _POWERS[n]] for n in LEVELS}
+_MIX_INT = int(_MIX)
 
 
 @dataclass
@@ -51,6 +57,14 @@ def _hash(windows: np.ndarray, n: int, salt: int) -> np.ndarray:
     with np.errstate(over="ignore"):
         h = ((windows.astype(np.uint64) + np.uint64(2)) * _POWERS[n]).sum(axis=1, dtype=np.uint64)
         return h ^ (np.uint64(salt) * _MIX)
+
+
+def _hash_one(window: list[int], n: int, salt: int) -> int:
+    """_hash of one window, in Python ints (equal to the numpy version, tests/test_spec_suffix.py)."""
+    h = 0
+    for t, p in zip(window, _POWERS_INT[n]):
+        h += (t + 2) * p
+    return (h & _M64) ^ ((salt * _MIX_INT) & _M64)
 
 
 class SuffixIndex:
@@ -97,6 +111,9 @@ class SuffixIndex:
         if len(new) > self.capacity:                                     # only the newest fit
             self.end += len(new) - self.capacity
             new = new[-self.capacity:]
+        if len(new) <= SMALL:
+            self._extend_small(new.tolist(), scope)
+            return
         start = self.end
         pos = np.arange(start, start + len(new), dtype=np.int64)         # [B] absolute positions
         self.tokens[pos % self.capacity] = new
@@ -111,6 +128,26 @@ class SuffixIndex:
             ends, win = ends[ok], win[ok]
             if len(ends):
                 self._link(li, (_hash(win, n, scope) & self.mask).astype(np.int64), ends)
+
+    def _extend_small(self, new: list[int], scope: int) -> None:
+        """extend() for a few tokens: the same chains, built one window at a time in Python."""
+        start, cap = self.end, self.capacity
+        pos = np.arange(start, start + len(new), dtype=np.int64) % cap
+        self.tokens[pos] = new
+        self.scope[pos] = scope
+        self.end = start + len(new)
+        lo = max(self.oldest, start - LEVELS[0] + 1)                     # oldest token any window reads
+        held = self.tokens[np.arange(lo, self.end) % cap].tolist()      # tokens lo .. end - 1
+        mask = int(self.mask)
+        for li, n in enumerate(LEVELS):
+            head, prev = self.head[li], self.prev[li]
+            for p in range(max(start, lo + n - 1), self.end):
+                window = held[p - n + 1 - lo:p + 1 - lo]
+                if min(window) < 0:                                       # spans a separator
+                    continue
+                b = _hash_one(window, n, scope) & mask
+                prev[p % cap] = head[b]
+                head[b] = p
 
     def _link(self, li: int, buckets: np.ndarray, ends: np.ndarray) -> None:
         """Push ends (ascending) onto their buckets' chains; several may share a bucket within the batch."""
@@ -140,11 +177,12 @@ class SuffixIndex:
         after them before absolute position `before` (default: the end). None: no match of >= 2 tokens."""
         limit = self.end if before is None else before
         head, prev, scope_of, cap = self.head, self.prev, self.scope, self.capacity
+        tail_ids, mask = tail.tolist(), int(self.mask)
         for li, n in enumerate(LEVELS):
             if len(tail) < n:
                 continue
             want = tail[-n:]
-            p = int(head[li, int(_hash(want[None, :], n, scope)[0] & self.mask)])
+            p = int(head[li, _hash_one(tail_ids[-n:], n, scope) & mask])
             chain: list[int] = []
             while p >= self.oldest + n - 1 and len(chain) < MAX_CHAIN:
                 chain.append(p)

@@ -10,6 +10,7 @@ from specserve.server.engine.spec_policy import (
     CALIBRATION_SHAPES,
     MIN_FIT_STEPS,
     MIN_T1_RATIO,
+    PROBE_EVERY,
     GoodputPolicy,
     StepCostModel,
 )
@@ -206,7 +207,9 @@ def test_engine_cuts_drafts_when_verifying_costs_more_than_it_gains(tiny_model_d
     got = [t for o in outs for t in o.token_ids]
     assert got == ref.token_ids
     final = outs[-1].spec_stats
-    assert final.num_drafts == 0 and final.num_steps_k_reduced == refused > 0
+    # every draft was cut but the probes: one position every PROBE_EVERY dry steps
+    assert final.num_draft_tokens == final.num_drafts <= len(got) // PROBE_EVERY
+    assert final.num_steps_k_reduced == refused > 0
 
 
 def test_calibration_prior_gives_a_fit_at_once_and_online_steps_move_it():
@@ -251,3 +254,86 @@ def test_engine_goodput_policy_is_calibrated_before_the_first_request(tiny_model
     assert eng.engine.scheduler.bm.num_free_blocks == eng.engine.scheduler.bm.num_blocks
     with pytest.raises(ValueError, match="KV blocks"):
         eng.engine.runner.time_verify_step(10**6, 1, 128)
+
+
+def _step(p: GoodputPolicy, s: ScheduledSeq, k: int) -> int:
+    """One scheduling step of a lone request: its slots reset to k, trimmed, the dry count booked."""
+    s.num_draft_slots = k
+    p.trim([s])
+    p.note_drafting([s])
+    return s.num_draft_slots
+
+
+def test_a_request_cut_to_nothing_probes_and_recovers_when_the_probes_are_accepted():
+    """A cut request brings no evidence: without probes an estimate that fell low (one batch of rejected
+    first drafts) stays low for good. Every PROBE_EVERY dry steps it drafts one position; accepted probes
+    lift the estimate until the policy keeps drafting deeper."""
+    p = fitted_policy()
+    for _ in range(50):
+        p.observe_acceptance("suffix", 4, 0)                    # the method's history: all rejected
+    s = seq("a", 4, method="suffix")
+    kept = [_step(p, s, 4) for _ in range(3 * PROBE_EVERY)]
+    assert kept == ([0] * (PROBE_EVERY - 1) + [1]) * 3           # cut, except one position per probe
+    stats = s.request.spec_stats
+    for _ in range(200):                                          # the probes are accepted
+        if _step(p, s, 4):
+            stats.record(s.num_draft_slots, s.num_draft_slots)
+            p.observe_acceptance("suffix", s.num_draft_slots, s.num_draft_slots)
+    assert _step(p, s, 4) == 4
+
+
+def test_a_lookups_cost_is_paid_once_per_request_not_per_depth():
+    p = fitted_policy()
+    p.observe_lookup("suffix", 0.004, 1)                           # 4 ms per request and step
+    assert p.lookup_s["suffix"] == pytest.approx(0.004) and "suffix" not in p.draft_step_s
+    good = seq("g", 8, accepted=90, attempted=100, method="suffix")
+    p.trim([good])
+    assert good.num_draft_slots == 8                               # 4 ms once, then T1 per position
+    p.observe_propose("per-depth", 0.004 * 8, 8)                   # the same 4 ms charged at every depth
+    as_model = seq("m", 8, accepted=90, attempted=100, method="per-depth")
+    p.trim([as_model])
+    assert as_model.num_draft_slots < 8
+    p.lookup_s["suffix"] = 1.0                                     # a lookup dearer than the whole step
+    dear = seq("d", 8, accepted=90, attempted=100, method="suffix")
+    p.trim([dear])
+    assert dear.num_draft_slots == 0
+    # an auto request's lookup already ran before the choice: nothing left to pay but the positions
+    req = Request("auto", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8), SpecParams("auto", 8))
+    req.num_computed_tokens = 2
+    chose = ScheduledSeq(req, 1, 8)
+    p.trim([chose], ["suffix"])
+    assert chose.num_draft_slots > 0
+
+
+def test_greedy_and_sampled_acceptance_are_kept_apart():
+    """A method accepts far less at T = 0.8 than at T = 0: traffic moving from greedy to sampled is not a
+    collapse, and a greedy request's prior does not come from sampled ones."""
+    p = GoodputPolicy()
+    for _ in range(200):
+        p.observe_acceptance("ngram", 4, 4, "greedy")
+    for _ in range(200):
+        p.observe_acceptance("ngram", 4, 0, "sampled")
+    assert p.alpha("ngram", 0, 0, "greedy") > 0.99 and p.alpha("ngram", 0, 0, "sampled") < 0.02
+    assert p.drain_collapses() == {} and not p.is_collapsed("ngram")
+    for _ in range(200):
+        p.observe_acceptance("ngram", 4, 0, "greedy")               # the same fall within one band
+    assert p.drain_collapses() == {"ngram": 1}
+    assert p.is_collapsed("ngram", "greedy") and not p.is_collapsed("ngram", "sampled")
+
+
+def test_auto_rates_each_method_at_its_best_depth():
+    """A model drafter at depth 8 pays 8 draft forwards; at its best depth it beats a lookup that the
+    full-depth rating would prefer."""
+    p = fitted_policy()
+    p.observe_propose("draft", 0.004, 1)
+    alphas = {"draft": 0.85, "ngram": 0.62}
+    p.request_alpha = lambda request, method: alphas[method]
+    lengths = {"draft": 8, "ngram": 4}
+
+    def rate(m, n):
+        d = p.draft_step_s.get(m, 0.0)
+        return sum(alphas[m] ** j for j in range(n + 1)) / (T0 + T1 * (1 + n) + d * n)
+    at_length = max(lengths, key=lambda m: rate(m, lengths[m]))
+    at_best = max(lengths, key=lambda m: max(rate(m, n) for n in range(1, lengths[m] + 1)))
+    assert (at_length, at_best) == ("ngram", "draft")              # the two ratings disagree here
+    assert p.choose_method(seq("r", 8).request, 8, lengths) == "draft"

@@ -14,7 +14,7 @@ from specserve.sampling.params import SamplingParams
 from specserve.server.api.params import cache_scope
 from specserve.speculators.base import SpecParams
 from specserve.speculators.suffix import SuffixSpeculator
-from specserve.speculators.suffix_index import SuffixIndex
+from specserve.speculators.suffix_index import LEVELS, SMALL, SuffixIndex, _hash, _hash_one
 
 
 class FakeRequest(SimpleNamespace):
@@ -67,6 +67,37 @@ def test_bounded_memory_evicts_the_oldest_first():
     assert ix.match(np.array(old[:10])) is None
     recent = ix.tokens[np.arange(ix.end - 21, ix.end - 1) % ix.capacity].astype(np.int64)
     assert ix.match(recent[:8]).ends.tolist() == [ix.end - 21 + 7]
+
+
+@pytest.mark.parametrize("capacity,growable", [(64, False), (1000, False), (16, True)])
+def test_token_by_token_appends_find_what_bulk_ones_find(capacity, growable):
+    """A decode step appends a token or a few (the Python path); a finished answer many (numpy): the two
+    must hash and chain identically, through separators, eviction (capacity 64) and growth (16)."""
+    rng = np.random.default_rng(capacity)
+    chunks = []
+    for _ in range(40):
+        chunk = rng.integers(0, 12, int(rng.integers(1, 3 * SMALL))).tolist()
+        chunks.append(chunk + ([-1] if rng.random() < 0.2 else []))
+    bulk, single = SuffixIndex(capacity, growable), SuffixIndex(capacity, growable)
+    for chunk in chunks:
+        bulk.extend(chunk, 3)
+        for token in chunk:
+            single.extend([token], 3)
+    assert bulk.capacity == single.capacity and np.array_equal(bulk.tokens, single.tokens)
+    if bulk.end <= bulk.capacity:     # nothing evicted: the very same chains (with eviction, a bulk append skips
+        assert np.array_equal(bulk.head, single.head) and np.array_equal(bulk.prev, single.prev)   # dead windows)
+    found = 0
+    for _ in range(200):
+        tail = rng.integers(0, 12, int(rng.integers(2, 40)))
+        a, b = bulk.match(tail, 3), single.match(tail, 3)
+        assert (a is None) == (b is None)
+        if a is not None:
+            found += 1
+            assert a.length == b.length and a.ends.tolist() == b.ends.tolist()
+    assert found > 20
+    windows = rng.integers(-1, 9000, (8, LEVELS[0]))
+    for n in LEVELS:
+        assert _hash(windows[:, -n:], n, 7).tolist() == [_hash_one(w[-n:].tolist(), n, 7) for w in windows]
 
 
 def test_growable_index_keeps_everything():

@@ -22,12 +22,19 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specserve.sampling.outputs import SeqSamplingOutput
+from specserve.server.engine.acceptance import band_of
 from specserve.server.engine.request import Request
 from specserve.server.engine.scheduler import ScheduledSeq
 from specserve.server.engine.spec_policy import GoodputPolicy
 from specserve.server.engine.stats import SpecStepStats, StepStats
 from specserve.speculators import registry
 from specserve.speculators.base import Speculator, VerifiedStep, count_accepted_positions
+
+
+def drafts_per_depth(method: str) -> bool:
+    """Whether a method's drafting costs a forward per draft position (a model drafter, or the hybrid,
+    which falls back to one) rather than one lookup per request whatever its length."""
+    return method in registry.MODEL_DRAFTERS or method == "hybrid"
 
 
 def validate_spec(spec, validator: Callable[[str], Callable[[dict], None]] = registry.validator) -> None:
@@ -66,6 +73,7 @@ class SpecDispatcher:
             cut = self.policy.trim(seqs, methods)
             if cut:
                 stats.spec_refused["load"] = stats.spec_refused.get("load", 0) + cut
+        self.learner.note_drafting(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[torch.Tensor | None] = [None for _ in seqs]
         groups: dict[tuple[str, bool], list[int]] = {}     # (method, chosen by auto) -> seqs
@@ -80,7 +88,11 @@ class SpecDispatcher:
                 proposal = self.speculators["auto"].drafts(method, reqs, ks)
             else:
                 proposal = self.speculators[method].propose(reqs, ks)
-            self.learner.observe_propose(method, time.perf_counter() - t0, max(ks))
+            seconds = time.perf_counter() - t0
+            if drafts_per_depth(method):
+                self.learner.observe_propose(method, seconds, max(ks))
+            elif not by_auto:                # auto's lookups ran before it chose (their drafts are reused)
+                self.learner.observe_lookup(method, seconds, len(reqs))
             for j, i in enumerate(idx):
                 k = seqs[i].num_draft_slots
                 drafts[i] = list(proposal.token_ids[j][:k])
@@ -134,7 +146,7 @@ class SpecDispatcher:
             req.spec_stats.record(len(d), out.num_accepted)
             if req.request_id in self._chosen:
                 req.spec_stats.record_method(method, len(d), out.num_accepted)
-            self.learner.observe_acceptance(method, len(d), out.num_accepted)
+            self.learner.observe_acceptance(method, len(d), out.num_accepted, band_of(req))
             if d:
                 self._book_step(stats.spec.setdefault(method, SpecStepStats()), len(d), out.num_accepted)
 

@@ -7,7 +7,8 @@ compute. The policy keeps a draft position only where it is expected to raise th
 second:
 
     step time        T(N) = t0 + t1 * N          (N = query tokens in the forward; fitted online)
-    draft step       d_m  seconds per draft step of method m (model-based drafters; 0 for ngram/prediction)
+    draft step       d_m  seconds per draft step of method m (model-based drafters, one forward per depth)
+    lookup           c_m  seconds per request of a context lookup (suffix, ngram), paid once whatever its length
     request i        alpha_i = its observed acceptance at a drafted position, given the ones before it
                      were accepted (accepted / attempted positions; a prior from its method's history)
     position j       expected extra tokens alpha_i ** j, extra cost t1 (verifying it)
@@ -27,11 +28,14 @@ k, never raises it, and each cut is counted: `spec_decode_refused_total{reason="
 `speculation.cuts["load"]` (also `num_steps_k_reduced`). Requests opt out with `"adaptive": false` in their
 `speculation`.
 
-Calibration: a lone request at a constant k only ever produces steps of one size, from which t0 and t1
-cannot be told apart (MIN_SPREAD). So the engine times a few verification forwards of different sizes at
-start-up (ModelRunner.time_verify_step, CALIBRATION_SHAPES) and hands them to `calibrate()`: they stay in
-the fit as a fixed prior worth PRIOR_SAMPLE_WEIGHT steps each, while the decaying online observations
-move the line to what the server really sees.
+A request cut to no drafts brings no evidence, so every PROBE_EVERY steps without drafts it drafts one
+position: an estimate that fell low once (a batch of rejected first drafts) can recover.
+
+Calibration (server/engine/step_cost.py): a lone request at a constant k only ever produces steps of one
+size, from which t0 and t1 cannot be told apart (MIN_SPREAD). So the engine times a few verification
+forwards of different sizes at start-up (ModelRunner.time_verify_step, CALIBRATION_SHAPES) and hands them
+to `calibrate()`: they stay in the fit as a fixed prior worth PRIOR_SAMPLE_WEIGHT steps each, while the
+decaying online observations move the line to what the server really sees.
 
 On by default (`--speculation-policy fixed` drafts every k asked for); docs/benchmarks.md compares the two.
 """
@@ -42,91 +46,38 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from specserve.server.engine.acceptance import AcceptanceHistory, band_of
 from specserve.server.engine.scheduler import ScheduledSeq
-from specserve.speculators.base import attempted_positions
+from specserve.server.engine.step_cost import MIN_FIT_STEPS, MIN_T1_RATIO, StepCostModel
+
+__all__ = ["CALIBRATION_SHAPES", "MIN_FIT_STEPS", "MIN_T1_RATIO", "GoodputPolicy", "StepCostModel",
+           "calibrated_policy"]
 
 log = logging.getLogger(__name__)
 
-PRIOR_ALPHA = 0.5         # acceptance assumed for a method never seen
-PRIOR_WEIGHT = 4.0        # attempted positions the prior counts for in a request's estimate
-METHOD_DECAY = 0.995      # per observed step, for the per-method acceptance history
-FIT_DECAY = 0.98          # per step, for the step-time regression
-MIN_FIT_STEPS = 16        # steps observed before the cost model is trusted
-MIN_SPREAD = 1.0          # variance of N (tokens^2) the regression needs to tell t1 from t0
-PRIOR_SAMPLE_WEIGHT = 2.0  # steps' worth of evidence each start-up calibration sample counts for
-# Least t1 / t0 the fit may report. Step times jittered by other work on the machine can flatten the line
-# to t1 ~ 0 ("one more token is free"), after which the policy never cuts. A quiet 2-core CPU measures
-# t1 / t0 ~ 0.045 in fp32; a GPU at small batch is far flatter, so the floor only catches a collapse.
-MIN_T1_RATIO = 1.0 / 64
 # (sequences, query tokens per sequence) timed at start-up: decode and verify shapes at a few batch sizes
 CALIBRATION_SHAPES = ((1, 1), (1, 3), (1, 5), (1, 7), (4, 1), (4, 5), (8, 1), (8, 5))
 CALIBRATION_CONTEXT = 128  # tokens before the verified ones in each calibration sequence
-# Acceptance collapse: a method whose recent acceptance (FAST_DECAY, about the last 30 verifications) falls
-# below COLLAPSE_RATIO x its longer history (METHOD_DECAY) is reported once per COLLAPSE_WINDOW_S and not
-# chosen by `auto` for that window; it needs COLLAPSE_MIN_ATTEMPTED positions of evidence in both.
-FAST_DECAY = 0.97
-COLLAPSE_RATIO = 0.3
-COLLAPSE_MIN_BASELINE = 0.2
-COLLAPSE_MIN_ATTEMPTED = 20.0
-COLLAPSE_WINDOW_S = 60.0
 # step cost assumed by `auto` before the fit is usable: a CPU decode step where one more verified row
 # costs 5 %
 NOMINAL_COST = (1.0, 0.05)
-
-
-class StepCostModel:
-    """Least-squares fit of step seconds against query tokens, exponentially forgetting old steps."""
-
-    def __init__(self, decay: float = FIT_DECAY) -> None:
-        self.decay = decay
-        self.w = self.sn = self.snn = self.st = self.snt = 0.0
-        self.steps = 0
-        self.prior = (0.0, 0.0, 0.0, 0.0, 0.0)   # (w, sn, snn, st, snt) of the calibration; never decays
-
-    def set_prior(self, samples: list[tuple[int, float]], weight: float = PRIOR_SAMPLE_WEIGHT) -> None:
-        """Fixed (num_tokens, seconds) samples, e.g. timed at start-up, each counting as `weight` steps."""
-        self.prior = (weight * len(samples), weight * sum(n for n, _ in samples),
-                      weight * sum(n * n for n, _ in samples), weight * sum(t for _, t in samples),
-                      weight * sum(n * t for n, t in samples))
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        d = self.decay
-        self.w = self.w * d + 1.0
-        self.sn = self.sn * d + num_tokens
-        self.snn = self.snn * d + num_tokens * num_tokens
-        self.st = self.st * d + seconds
-        self.snt = self.snt * d + num_tokens * seconds
-        self.steps += 1
-
-    def fit(self) -> tuple[float, float] | None:
-        """(t0, t1) seconds, or None while the data cannot separate them."""
-        pw, psn, psnn, pst, psnt = self.prior
-        if self.steps + pw < MIN_FIT_STEPS:
-            return None
-        w = self.w + pw
-        mean_n, mean_t = (self.sn + psn) / w, (self.st + pst) / w
-        var = (self.snn + psnn) / w - mean_n * mean_n
-        if var < MIN_SPREAD:
-            return None
-        t1 = ((self.snt + psnt) / w - mean_n * mean_t) / var
-        t1 = max(t1, 1e-7)
-        t0 = max(mean_t - t1 * mean_n, 0.0)
-        if t1 < MIN_T1_RATIO * t0:          # a collapsed slope: keep the mean, tilt the line to the floor
-            t1 = MIN_T1_RATIO * mean_t / (1.0 + MIN_T1_RATIO * mean_n)
-            t0 = mean_t - t1 * mean_n
-        return t0, t1
+# A request whose drafts were all cut (or for which `auto` chose none) PROBE_EVERY - 1 steps in a row drafts one
+# position: a cut request brings no evidence, so without a probe an estimate that fell low once (a
+# rejected first draft) would stay low for the rest of the request and, through the method's history,
+# for every later one. Costs at most one verified row per PROBE_EVERY steps.
+PROBE_EVERY = 8
+_DRY_KEEP = 256           # requests the dry-step table keeps beyond those in the current step
 
 
 class GoodputPolicy:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.fast_acc: dict[str, list[float]] = {}             # method -> [accepted, attempted], fast decay
-        self.collapsed_until: dict[str, float] = {}            # method -> end of its collapse window
-        self.collapses: dict[str, int] = {}                    # method -> reports not yet drained (metrics)
+        self.history = AcceptanceHistory(clock)
         self.cost = StepCostModel()
         self.calibration: list[tuple[int, float]] = []        # start-up (num_tokens, seconds) samples
-        self.draft_step_s: dict[str, float] = {}              # method -> EMA seconds per draft step
-        self.method_acc: dict[str, list[float]] = {}           # method -> [accepted, attempted], decayed
+        self.draft_step_s: dict[str, float] = {}              # model drafter -> EMA seconds per draft step
+        self.lookup_s: dict[str, float] = {}                  # lookup -> EMA seconds per request and step
+        self.dry: dict[str, int] = {}                         # request id -> steps in a row without drafts
 
     # -- learning ------------------------------------------------------------------------------------
     def calibrate(self, samples: list[tuple[int, float]]) -> None:
@@ -139,84 +90,92 @@ class GoodputPolicy:
         self.cost.observe(num_tokens, seconds)
 
     def observe_propose(self, method: str, seconds: float, steps: int) -> None:
+        """A model drafter's propose call: `steps` draft forwards (its depth) took `seconds`."""
         if steps > 0:
-            per = seconds / steps
-            old = self.draft_step_s.get(method)
-            self.draft_step_s[method] = per if old is None else 0.9 * old + 0.1 * per
+            _ema(self.draft_step_s, method, seconds / steps)
 
-    def observe_acceptance(self, method: str, num_draft: int, num_accepted: int) -> None:
-        if num_draft <= 0:
-            return
-        attempted = attempted_positions(num_draft, num_accepted)
-        acc = self.method_acc.setdefault(method, [0.0, 0.0])
-        baseline = acc[0] / acc[1] if acc[1] >= COLLAPSE_MIN_ATTEMPTED else None   # before this step
-        acc[0] = acc[0] * METHOD_DECAY + num_accepted
-        acc[1] = acc[1] * METHOD_DECAY + attempted
-        fast = self.fast_acc.setdefault(method, [0.0, 0.0])
-        fast[0] = fast[0] * FAST_DECAY + num_accepted
-        fast[1] = fast[1] * FAST_DECAY + attempted
-        if (baseline is not None and baseline >= COLLAPSE_MIN_BASELINE and fast[1] >= COLLAPSE_MIN_ATTEMPTED
-                and fast[0] / fast[1] < COLLAPSE_RATIO * baseline):
-            self._collapse(method, fast[0] / fast[1], baseline)
+    def observe_lookup(self, method: str, seconds: float, num_requests: int) -> None:
+        """A context lookup's propose call for `num_requests` requests: its cost does not grow with depth."""
+        if num_requests > 0:
+            _ema(self.lookup_s, method, seconds / num_requests)
 
-    def _collapse(self, method: str, recent: float, baseline: float) -> None:
-        now = self.clock()
-        if now < self.collapsed_until.get(method, -1.0):
-            return                                              # reported in this window already
-        self.collapsed_until[method] = now + COLLAPSE_WINDOW_S
-        self.collapses[method] = self.collapses.get(method, 0) + 1
-        log.warning("speculation method %s: acceptance collapsed to %.2f (recent) from %.2f; auto will not "
-                    "choose it for %.0f s (a drafter that no longer matches the target?)",
-                    method, recent, baseline, COLLAPSE_WINDOW_S)
+    def observe_acceptance(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy") -> None:
+        self.history.observe(method, num_draft, num_accepted, band)
 
-    def is_collapsed(self, method: str) -> bool:
-        return self.clock() < self.collapsed_until.get(method, -1.0)
+    def note_drafting(self, seqs: Sequence[ScheduledSeq]) -> None:
+        """After the step's cuts: count the steps in a row each speculating request drafted nothing."""
+        for s in seqs:
+            rid = s.request.request_id
+            if s.request.spec_params.k <= 0 or not s.samples:
+                continue
+            if s.num_draft_slots > 0:
+                self.dry.pop(rid, None)
+            else:
+                self.dry[rid] = self.dry.get(rid, 0) + 1
+        if len(self.dry) > len(seqs) + _DRY_KEEP:          # forget finished requests
+            live = {s.request.request_id for s in seqs}
+            self.dry = {r: n for r, n in self.dry.items() if r in live}
+
+    def probing(self, request) -> bool:
+        return self.dry.get(request.request_id, 0) >= PROBE_EVERY - 1
+
+    def is_collapsed(self, method: str, band: str | None = None) -> bool:
+        return self.history.is_collapsed(method, band)
 
     def drain_collapses(self) -> dict[str, int]:
-        out, self.collapses = self.collapses, {}
-        return out
+        return self.history.drain_collapses()
 
-    def alpha(self, method: str, accepted: int, attempted: int) -> float:
-        """A request's acceptance estimate: its own counts, shrunk towards its method's history, which is
-        itself shrunk towards PRIOR_ALPHA. Never 0 after a few rejections: a cut request brings no new
-        evidence, so an estimate of 0 would cut its method for good (one rejected first draft once stopped
-        ngram at batch 1 for every later step: 0.96x plain against 2.09x with k fixed)."""
-        acc, att = self.method_acc.get(method, (0.0, 0.0))
-        prior = (acc + PRIOR_WEIGHT * PRIOR_ALPHA) / (att + PRIOR_WEIGHT)
-        return min((accepted + PRIOR_WEIGHT * prior) / (attempted + PRIOR_WEIGHT), 0.999)
+    def alpha(self, method: str, accepted: float, attempted: float, band: str = "greedy") -> float:
+        return self.history.alpha(method, accepted, attempted, band)
 
     def request_alpha(self, request, method: str) -> float:
         """The request's acceptance estimate for `method`: its own counts with that method (`auto` keeps
-        them per method chosen), shrunk towards the method's server history."""
-        stats = request.spec_stats
+        them per method chosen), shrunk towards the method's server history in the request's band."""
+        stats, band = request.spec_stats, band_of(request)
         if request.spec_params.method == method:
-            return self.alpha(method, stats.num_accepted_tokens, stats.num_attempted_positions)
+            return self.alpha(method, stats.num_accepted_tokens, stats.num_attempted_positions, band)
         row = stats.by_method.get(method)
-        return self.alpha(method, row[2], row[3]) if row else self.alpha(method, 0, 0)
+        return self.alpha(method, row[2], row[3], band) if row else self.alpha(method, 0, 0, band)
 
     # -- deciding ------------------------------------------------------------------------------------
     def choose_method(self, request, k: int, lengths: dict[str, int]) -> str:
         """`auto`: the candidate with the most expected tokens per second this step, or "none".
 
-        lengths: method -> how many drafts it would verify (a context lookup knows: 0 when nothing
-        matches; a model drafter drafts k). Method m verifying L drafts with acceptance a_m yields
-        1 + a_m + ... + a_m ** L tokens for a step of t0 + t1 (1 + L) + d_m L seconds; plain decoding
-        yields 1 token for t0 + t1. The choice reads the context and past acceptance only, never this
+        lengths: method -> how many drafts it would verify (a context lookup knows, and has already
+        drafted: 0 when nothing matches; a model drafter could draft up to k). Method m verifying L drafts
+        with acceptance a_m yields 1 + a_m + ... + a_m ** L tokens for a step of t0 + t1 (1 + L) + d_m L
+        seconds (d_m = 0 for a lookup, whose drafts are already paid for); each method is rated at its
+        best L <= its length, the depth the trim would keep, not at its longest. Plain decoding yields 1
+        token for t0 + t1. A request that drafted nothing for PROBE_EVERY - 1 steps takes the best candidate
+        even when none rates higher. The choice reads the context and past acceptance only, never this
         step's target, and no request's text depends on it: greedy and seeded (coupled) sampling emit the
         same tokens whatever the drafts, unseeded sampling keeps the target's distribution.
         """
-        lengths = {m: min(n, k) for m, n in lengths.items() if not self.is_collapsed(m)}
+        band = band_of(request)
         fit = self.cost.fit()
         t0, t1 = fit if fit is not None else NOMINAL_COST
         best, best_rate = "none", 1.0 / (t0 + t1)
+        probe, probe_rate = "none", 0.0
         for method, n in lengths.items():
-            if n <= 0:
+            n = min(n, k)
+            if n <= 0 or self.is_collapsed(method, band):
                 continue
-            a = self.request_alpha(request, method)
-            tokens = sum(a ** j for j in range(n + 1))
-            rate = tokens / (t0 + t1 * (1 + n) + self.draft_step_s.get(method, 0.0) * n)
+            rate = self._best_rate(self.request_alpha(request, method), n, t0, t1,
+                                   self.draft_step_s.get(method, 0.0))
             if rate > best_rate:
                 best, best_rate = method, rate
+            if rate > probe_rate:
+                probe, probe_rate = method, rate
+        return probe if best == "none" and self.probing(request) else best
+
+    @staticmethod
+    def _best_rate(a: float, n: int, t0: float, t1: float, d: float) -> float:
+        """max over L in 1..n of (1 + a + ... + a ** L) / (t0 + t1 (1 + L) + d L)."""
+        tokens, term, best = 1.0, 1.0, 0.0
+        for depth in range(1, n + 1):
+            term *= a
+            tokens += term
+            best = max(best, tokens / (t0 + t1 * (1 + depth) + d * depth))
         return best
 
     def trim(self, seqs: Sequence[ScheduledSeq], methods: Sequence[str] | None = None) -> int:
@@ -237,28 +196,30 @@ class GoodputPolicy:
         seq_methods = [method_of.get(id(s), s.request.spec_params.method) for s in adaptive]
         alphas = [self.request_alpha(s.request, m) for s, m in zip(adaptive, seq_methods)]
         keep = [0] * len(adaptive)
-        # Heap entries (-gain / cost, tiebreak, method or None, depth, members). A method whose drafting is a
-        # forward per depth (d_m > 0) opens a depth for a group: one d_m however many of its requests draft
-        # there. Per-request entries (d_m = 0: ngram, prediction) cost t1 per position.
-        def cost_of(m: str | None, n: int) -> float:        # n positions verified, plus m's draft forward
-            return n * t1 + (self.draft_step_s[m] if m is not None else 0.0)
+        # Heap entries (-gain / cost, tiebreak, method or None, depth, members, cost). A method whose drafting
+        # is a forward per depth (d_m > 0) opens a depth for a group: one d_m however many of its requests
+        # draft there. Per-request entries (lookups, prediction) cost t1 per position, plus, at depth 1, the
+        # lookup's own cost where it has not run yet (`auto` ran its lookups before choosing).
         heap: list = []
         groups: dict[str, list[int]] = {}
         for i, m in enumerate(seq_methods):
             if self.draft_step_s.get(m, 0.0) > 0.0:
                 groups.setdefault(m, []).append(i)
             else:
-                heapq.heappush(heap, (-alphas[i] / t1, len(heap), None, 1, [i]))
+                looked_up = adaptive[i].request.spec_params.method == "auto"
+                cost = t1 + (0.0 if looked_up else self.lookup_s.get(m, 0.0))
+                heapq.heappush(heap, (-alphas[i] / cost, len(heap), None, 1, [i], cost))
         for m, members in groups.items():
-            gain = sum(alphas[i] for i in members)
-            heapq.heappush(heap, (-gain / cost_of(m, len(members)), len(heap), m, 1, members))
+            cost = len(members) * t1 + self.draft_step_s[m]
+            heapq.heappush(heap, (-sum(alphas[i] for i in members) / cost, len(heap), m, 1, members, cost))
         serial = len(heap)
         while heap:
-            _, _, m, depth, members = heapq.heappop(heap)
+            _, _, m, depth, members, entry_cost = heapq.heappop(heap)
             # only members whose own verification pays at the rate reached so far (gained / seconds)
             members = [i for i in members if alphas[i] ** depth * seconds > t1 * gained]
             gain = sum(alphas[i] ** depth for i in members)
-            cost = cost_of(m, len(members))
+            # a group pays for its remaining members; a request's entry (one member) costs what it was priced
+            cost = len(members) * t1 + self.draft_step_s[m] if m is not None else entry_cost
             if not members or gain * seconds <= cost * gained:      # gain / cost <= tokens per second so far
                 continue
             for i in members:
@@ -268,10 +229,17 @@ class GoodputPolicy:
             deeper = [i for i in members if depth < adaptive[i].num_draft_slots]
             if deeper:
                 nxt = sum(alphas[i] ** (depth + 1) for i in deeper)
+                nxt_cost = len(deeper) * t1 + (self.draft_step_s[m] if m is not None else 0.0)   # no lookup cost
                 serial += 1
-                heapq.heappush(heap, (-nxt / cost_of(m, len(deeper)), serial, m, depth + 1, deeper))
+                heapq.heappush(heap, (-nxt / nxt_cost, serial, m, depth + 1, deeper, nxt_cost))
+        return self._apply(adaptive, keep)
+
+    def _apply(self, adaptive: list[ScheduledSeq], keep: list[int]) -> int:
+        """Set the kept depths (a probing request keeps at least one) and count the cuts."""
         cut = 0
         for s, k in zip(adaptive, keep):
+            if k == 0 and self.probing(s.request):
+                k = 1
             if k < s.num_draft_slots:
                 s.num_draft_slots = k
                 s.request.spec_stats.cut("load")
@@ -301,6 +269,11 @@ def calibrated_policy(runner, max_num_seqs: int) -> GoodputPolicy:
         log.info("goodput policy calibrated on %d step sizes: step = %.2f ms + %.3f ms per verified token",
                  len(samples), fit[0] * 1e3, fit[1] * 1e3)
     return policy
+
+
+def _ema(table: dict[str, float], key: str, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else 0.9 * old + 0.1 * value
 
 
 def _adaptive(seq: ScheduledSeq) -> bool:

@@ -1,0 +1,61 @@
+"""The step-cost line of the goodput policy: seconds of a decode/verify forward against its query tokens.
+
+    T(N) = t0 + t1 * N          N = query tokens in the forward (decode rows + verified drafts)
+
+fitted by least squares over exponentially forgotten steps, plus a fixed prior of forwards timed at
+start-up (a lone request at a constant k only ever produces steps of one size, from which t0 and t1
+cannot be told apart: MIN_SPREAD).
+"""
+from __future__ import annotations
+
+FIT_DECAY = 0.98          # per step, for the step-time regression
+MIN_FIT_STEPS = 16        # steps observed before the cost model is trusted
+MIN_SPREAD = 1.0          # variance of N (tokens^2) the regression needs to tell t1 from t0
+PRIOR_SAMPLE_WEIGHT = 2.0  # steps' worth of evidence each start-up calibration sample counts for
+# Least t1 / t0 the fit may report. Step times jittered by other work on the machine can flatten the line
+# to t1 ~ 0 ("one more token is free"), after which the policy never cuts. A quiet 2-core CPU measures
+# t1 / t0 ~ 0.045 in fp32; a GPU at small batch is far flatter, so the floor only catches a collapse.
+MIN_T1_RATIO = 1.0 / 64
+
+
+class StepCostModel:
+    """Least-squares fit of step seconds against query tokens, exponentially forgetting old steps."""
+
+    def __init__(self, decay: float = FIT_DECAY) -> None:
+        self.decay = decay
+        self.w = self.sn = self.snn = self.st = self.snt = 0.0
+        self.steps = 0
+        self.prior = (0.0, 0.0, 0.0, 0.0, 0.0)   # (w, sn, snn, st, snt) of the calibration; never decays
+
+    def set_prior(self, samples: list[tuple[int, float]], weight: float = PRIOR_SAMPLE_WEIGHT) -> None:
+        """Fixed (num_tokens, seconds) samples, e.g. timed at start-up, each counting as `weight` steps."""
+        self.prior = (weight * len(samples), weight * sum(n for n, _ in samples),
+                      weight * sum(n * n for n, _ in samples), weight * sum(t for _, t in samples),
+                      weight * sum(n * t for n, t in samples))
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.w = self.w * d + 1.0
+        self.sn = self.sn * d + num_tokens
+        self.snn = self.snn * d + num_tokens * num_tokens
+        self.st = self.st * d + seconds
+        self.snt = self.snt * d + num_tokens * seconds
+        self.steps += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(t0, t1) seconds, or None while the data cannot separate them."""
+        pw, psn, psnn, pst, psnt = self.prior
+        if self.steps + pw < MIN_FIT_STEPS:
+            return None
+        w = self.w + pw
+        mean_n, mean_t = (self.sn + psn) / w, (self.st + pst) / w
+        var = (self.snn + psnn) / w - mean_n * mean_n
+        if var < MIN_SPREAD:
+            return None
+        t1 = ((self.snt + psnt) / w - mean_n * mean_t) / var
+        t1 = max(t1, 1e-7)
+        t0 = max(mean_t - t1 * mean_n, 0.0)
+        if t1 < MIN_T1_RATIO * t0:          # a collapsed slope: keep the mean, tilt the line to the floor
+            t1 = MIN_T1_RATIO * mean_t / (1.0 + MIN_T1_RATIO * mean_n)
+            t0 = mean_t - t1 * mean_n
+        return t0, t1
