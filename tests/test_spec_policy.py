@@ -337,3 +337,17 @@ def test_auto_rates_each_method_at_its_best_depth():
     at_best = max(lengths, key=lambda m: max(rate(m, n) for n in range(1, lengths[m] + 1)))
     assert (at_length, at_best) == ("ngram", "draft")              # the two ratings disagree here
     assert p.choose_method(seq("r", 8).request, 8, lengths) == "draft"
+
+
+def test_a_catch_up_forward_does_not_read_as_the_price_of_every_draft_step():
+    """A draft model's first propose for a request reads its whole prompt; divided by the depth it would
+    price every later draft step at many times its cost. One sample moves the estimate at most 2x; a real,
+    lasting change still gets through."""
+    p = GoodputPolicy()
+    for _ in range(10):
+        p.observe_propose("draft", 0.004, 4)                       # 1 ms per depth
+    p.observe_propose("draft", 0.400, 4)                           # a 400 ms prompt catch-up
+    assert p.draft_step_s["draft"] == pytest.approx(0.9 * 0.001 + 0.1 * 0.002)
+    for _ in range(60):
+        p.observe_propose("draft", 0.012, 4)                       # the drafter really got 3x slower
+    assert p.draft_step_s["draft"] == pytest.approx(0.003, rel=0.01)

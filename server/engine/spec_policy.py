@@ -66,6 +66,9 @@ NOMINAL_COST = (1.0, 0.05)
 # rejected first draft) would stay low for the rest of the request and, through the method's history,
 # for every later one. Costs at most one verified row per PROBE_EVERY steps.
 PROBE_EVERY = 8
+# A draft-cost sample counts for at most this multiple of the estimate (see observe_propose): a prompt
+# catch-up divided by the depth once priced the embedded draft model at 10.7 ms per depth, EAGLE-3 at 2.3.
+MAX_DRAFT_RISE = 2.0
 _DRY_KEEP = 256           # requests the dry-step table keeps beyond those in the current step
 
 
@@ -90,9 +93,13 @@ class GoodputPolicy:
         self.cost.observe(num_tokens, seconds)
 
     def observe_propose(self, method: str, seconds: float, steps: int) -> None:
-        """A model drafter's propose call: `steps` draft forwards (its depth) took `seconds`."""
+        """A model drafter's propose call: `steps` draft forwards (its depth) took `seconds`. A call whose
+        first forward caught up on many rows (a draft model reading a whole prompt, a head back from rest)
+        is no draft step's price: each sample moves the estimate by at most MAX_DRAFT_RISE x."""
         if steps > 0:
-            _ema(self.draft_step_s, method, seconds / steps)
+            old = self.draft_step_s.get(method)
+            per = seconds / steps
+            _ema(self.draft_step_s, method, per if old is None else min(per, MAX_DRAFT_RISE * old))
 
     def observe_lookup(self, method: str, seconds: float, num_requests: int) -> None:
         """A context lookup's propose call for `num_requests` requests: its cost does not grow with depth."""
