@@ -1,6 +1,6 @@
 """suffix and auto against the fixed methods, interleaved per prompt (robust to a VM's drifting speed).
 
-    python -m loadtest.bench_auto --num-prompts 4 --new-tokens 96
+    python -m loadtest.bench_auto --num-prompts 4 --new-tokens 96 [--rounds 2]
 
 Workloads (loadtest/prompt_sets.py): `repeated` (code-completion prompts answered once, untimed, then
 sent again and timed), `agentic` (turn 2 of a code-editing conversation whose turn 1 was answered
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="batch-1 passes over each set, pooled (each pass starts the arm rotation elsewhere)")
     ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--sets", default="repeated,agentic,mixed,code_completion,prose")
     ap.add_argument("--concurrent-sets", default="repeated,code_completion")
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'set':16} {'T':>4} {'none/s':>6} {header}   auto/best  (speedup vs none / tau)")
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         for name in args.sets.split(","):
-            res = batch1(eng, warm, sets[name], specs, temperature, args.new_tokens, f"{name}-{temperature}")
+            res = batch1(eng, warm, sets[name] * args.rounds, specs, temperature, args.new_tokens,
+                         f"{name}-{temperature}")
             best = max((n for n in specs if n not in ("none", "auto")), key=lambda n: res[n]["speedup"])
             cells = " ".join(f"{res[n]['speedup']:5.2f}x/{res[n]['tau']:4.2f}" for n in specs)
             diffs = {n: r["greedy_diff"] for n, r in res.items() if r["greedy_diff"]}

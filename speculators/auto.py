@@ -31,8 +31,9 @@ LOOKUPS = ("suffix", "ngram")           # members whose draft is known before ch
 NOT_MEMBERS = ("prediction", "hybrid")   # hybrid: its lookup and its drafter are members
 MIN_LOOKUP = 2                          # longest_lookup: drafts below this fall to a model drafter
 
-# chooser(request, k, lengths: method -> drafts it would verify) -> a member's name or "none"
-Chooser = Callable[[SpecRequest, int, dict[str, int]], str]
+# chooser(requests, ks, lengths: per request, method -> drafts it would verify) -> per request, a member's
+# name or "none": all of a step's requests at once (a model drafter's forward is shared by those choosing it)
+Chooser = Callable[[Sequence[SpecRequest], Sequence[int], list[dict[str, int]]], list[str]]
 
 
 def longest_lookup(request: SpecRequest, k: int, lengths: dict[str, int]) -> str:
@@ -46,6 +47,11 @@ def longest_lookup(request: SpecRequest, k: int, lengths: dict[str, int]) -> str
     return model or best or "none"
 
 
+def each_longest_lookup(requests: Sequence[SpecRequest], ks: Sequence[int],
+                        lengths: list[dict[str, int]]) -> list[str]:
+    return [longest_lookup(r, k, n) for r, k, n in zip(requests, ks, lengths)]
+
+
 class AutoSpeculator(Speculator):
     name = "auto"
 
@@ -56,7 +62,7 @@ class AutoSpeculator(Speculator):
         self._seen: tuple[int, ...] = ()
         self.members: dict[str, Speculator] = {}
         self.synced: list[Speculator] = []       # distinct members that observe target states
-        self.chooser: Chooser = longest_lookup
+        self.chooser: Chooser = each_longest_lookup
         self._lookup_drafts: dict[str, dict[str, list[int]]] = {}    # request id -> method -> draft
         self._refresh()
 
@@ -83,12 +89,16 @@ class AutoSpeculator(Speculator):
         self._refresh()
         chooser = chooser or self.chooser
         found = {m: self.members[m].propose(requests, ks).token_ids for m in LOOKUPS if m in self.members}
-        choices = []
+        lengths = []
         for i, (req, k) in enumerate(zip(requests, ks)):
             drafts = {m: found[m][i] for m in found}
             self._lookup_drafts[req.request_id] = drafts
-            lengths = {m: (len(drafts[m]) if m in drafts else k) for m in self.members}
-            choices.append(chooser(req, k, lengths) if k > 0 else "none")
+            lengths.append({m: (len(drafts[m]) if m in drafts else k) for m in self.members})
+        live = [i for i, k in enumerate(ks) if k > 0]
+        chosen = chooser([requests[i] for i in live], [ks[i] for i in live], [lengths[i] for i in live])
+        choices = ["none"] * len(requests)
+        for i, method in zip(live, chosen):
+            choices[i] = method
         return choices
 
     def drafts(self, method: str, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:

@@ -59,6 +59,7 @@ class SuffixSpeculator(Speculator):
         self.scope_mode = scope
         self.shared = SuffixIndex(cache_tokens) if scope != "request" and cache_tokens > 0 else None
         self._scope_ids: dict[str, int] = {}
+        self._scope_written: set[int] = set()      # scopes that added to the cache (others skip its lookup)
         self._local: dict[str, SuffixIndex] = {}
 
     @classmethod
@@ -95,7 +96,7 @@ class SuffixSpeculator(Speculator):
         best: tuple[list[int], float] = ([], 0.0)
         sid = self.scope_id(req)
         for index, scope in ((local, 0), (self.shared, sid)):
-            if index is None or scope is None:
+            if index is None or scope is None or (index is self.shared and scope not in self._scope_written):
                 continue
             found = index.match(tail, scope)
             if found is None:
@@ -124,3 +125,4 @@ class SuffixSpeculator(Speculator):
         n = request.num_tokens
         start = max(0, n - len(request.output_token_ids) - PROMPT_TAIL)
         self.shared.extend([*request.token_slice(start, n), SEPARATOR], sid)
+        self._scope_written.add(sid)

@@ -33,6 +33,7 @@ import numpy as np
 LEVELS = (32, 16, 8, 4, 2)      # n-gram lengths indexed, longest first
 MAX_MATCH = 64                 # longest match length measured (caps the draft-length rule)
 MAX_CHAIN = 32                 # chain entries examined per level and lookup (bounds the work)
+SHORT_CHAIN = 8                # chains up to this long are checked in Python (numpy's per-call cost dominates)
 SEPARATOR = -1
 _BASE = np.uint64(0x100000001B3)
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -189,12 +190,31 @@ class SuffixIndex:
                 p = int(prev[li, p % cap])
             if not chain:
                 continue
+            few = self._verify_few(chain, tail_ids[-n:], scope, limit) if len(chain) <= SHORT_CHAIN else None
+            if few is not None:                                           # checked without numpy
+                if few:
+                    ends = np.asarray(few, dtype=np.int64)
+                    return Match(ends, self._longest(ends, tail))
+                continue
             ends = np.asarray(chain, dtype=np.int64)                      # [C] newest first
             win = self.tokens[(ends[:, None] - np.arange(n - 1, -1, -1)) % cap]   # [C, n]
             ok = (ends + 1 < limit) & (scope_of[ends % cap] == scope) & (win == want[None, :]).all(axis=1)
             if ok.any():
                 return Match(ends[ok], self._longest(ends[ok], tail))
         return None
+
+    def _verify_few(self, chain: list[int], want: list[int], scope: int, limit: int) -> list[int] | None:
+        """The chain entries whose n tokens are `want`, written by `scope`, with a token after them; None
+        when a window wraps around the ring (the numpy check handles that)."""
+        n, cap = len(want), self.capacity
+        ok = []
+        for e in chain:
+            first, last = (e - n + 1) % cap, e % cap
+            if first > last:
+                return None
+            if e + 1 < limit and self.scope[last] == scope and self.tokens[first:last + 1].tolist() == want:
+                ok.append(e)
+        return ok
 
     def _longest(self, ends: np.ndarray, tail: np.ndarray) -> int:
         m = min(len(tail), MAX_MATCH)

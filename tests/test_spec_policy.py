@@ -351,3 +351,19 @@ def test_a_catch_up_forward_does_not_read_as_the_price_of_every_draft_step():
     for _ in range(60):
         p.observe_propose("draft", 0.012, 4)                       # the drafter really got 3x slower
     assert p.draft_step_s["draft"] == pytest.approx(0.003, rel=0.01)
+
+
+def test_auto_prices_a_model_drafter_shared_by_the_batch_that_chooses_it():
+    """16 requests, each with a weak lookup draft (alpha 0.45, 2 tokens) and a model drafter (alpha 0.7,
+    2.6 ms per depth). Priced alone the lookup wins; in the batch each request's share of the step is small
+    and the drafter's forward is paid once by all 16, so the drafter wins; at batch 1 both agree."""
+    t0, t1 = 0.0126, 0.00057
+    p = fitted_policy(t0, t1)
+    p.observe_propose("eagle3", 0.0026, 1)
+    alphas = {"eagle3": 0.7, "ngram": 0.45}
+    p.request_alpha = lambda request, method: alphas[method]
+    lengths = {"eagle3": 8, "ngram": 2}
+    reqs = [seq(f"r{i}", 8).request for i in range(16)]
+    assert p.choose_method(reqs[0], 8, lengths) == "ngram"
+    assert p.choose_methods(reqs[:1], [8], [lengths], num_seqs=1) == ["ngram"]
+    assert p.choose_methods(reqs, [8] * 16, [lengths] * 16, num_seqs=16) == ["eagle3"] * 16

@@ -12,9 +12,10 @@ from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, 
 
 from specserve.sampling.params import SamplingParams
 from specserve.server.api.params import cache_scope
+from specserve.speculators import suffix_index
 from specserve.speculators.base import SpecParams
 from specserve.speculators.suffix import SuffixSpeculator
-from specserve.speculators.suffix_index import LEVELS, SMALL, SuffixIndex, _hash, _hash_one
+from specserve.speculators.suffix_index import LEVELS, SEPARATOR, SMALL, SuffixIndex, _hash, _hash_one
 
 
 class FakeRequest(SimpleNamespace):
@@ -70,7 +71,7 @@ def test_bounded_memory_evicts_the_oldest_first():
 
 
 @pytest.mark.parametrize("capacity,growable", [(64, False), (1000, False), (16, True)])
-def test_token_by_token_appends_find_what_bulk_ones_find(capacity, growable):
+def test_token_by_token_appends_find_what_bulk_ones_find(capacity, growable, monkeypatch):
     """A decode step appends a token or a few (the Python path); a finished answer many (numpy): the two
     must hash and chain identically, through separators, eviction (capacity 64) and growth (16)."""
     rng = np.random.default_rng(capacity)
@@ -86,15 +87,14 @@ def test_token_by_token_appends_find_what_bulk_ones_find(capacity, growable):
     assert bulk.capacity == single.capacity and np.array_equal(bulk.tokens, single.tokens)
     if bulk.end <= bulk.capacity:     # nothing evicted: the very same chains (with eviction, a bulk append skips
         assert np.array_equal(bulk.head, single.head) and np.array_equal(bulk.prev, single.prev)   # dead windows)
-    found = 0
-    for _ in range(200):
-        tail = rng.integers(0, 12, int(rng.integers(2, 40)))
-        a, b = bulk.match(tail, 3), single.match(tail, 3)
-        assert (a is None) == (b is None)
-        if a is not None:
-            found += 1
-            assert a.length == b.length and a.ends.tolist() == b.ends.tolist()
-    assert found > 20
+    tails = [rng.integers(0, 12, int(rng.integers(2, 40))) for _ in range(200)]
+
+    def matches(index):
+        return [None if m is None else (m.length, m.ends.tolist()) for m in map(index.match, tails, [3] * 200)]
+    found = matches(bulk)
+    assert found == matches(single) and sum(m is not None for m in found) > 20
+    monkeypatch.setattr(suffix_index, "SHORT_CHAIN", 0)              # every chain checked with numpy
+    assert matches(bulk) == found
     windows = rng.integers(-1, 9000, (8, LEVELS[0]))
     for n in LEVELS:
         assert _hash(windows[:, -n:], n, 7).tolist() == [_hash_one(w[-n:].tolist(), n, 7) for w in windows]
@@ -178,3 +178,21 @@ def test_greedy_equals_plain_alone_and_mixed_with_other_methods(engine):
     assert again.spec_stats.num_accepted_tokens >= len(refs[0]) // 2
     assert again.spec_stats.num_accepted_tokens > single.spec_stats.num_accepted_tokens
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("short_chain", [8, 0])
+def test_a_bucket_shared_with_another_scope_never_matches_its_text(short_chain, monkeypatch):
+    """Scopes salt the hash, but buckets can still collide: the scope of each candidate is checked, in the
+    Python check of short chains and in the numpy one."""
+    monkeypatch.setattr(suffix_index, "SHORT_CHAIN", short_chain)
+    text = [5, 6, 7, 8]
+    index = SuffixIndex(64)
+    mask = int(index.mask)
+    other = next(s for s in range(2, 10_000)
+                 if _hash_one(text[-2:], 2, s) & mask == _hash_one(text[-2:], 2, 1) & mask)
+    index.extend([*text, 9, SEPARATOR], other)          # the other scope's copy, in the same bucket
+    index.extend([*text, 4, SEPARATOR], 1)
+    found = index.match(np.asarray([7, 8]), 1)
+    assert found is not None and found.ends.tolist() == [index.end - 3]
+    assert index.continuation(found, 1, 0.1)[0] == [4]
+    assert index.match(np.asarray([7, 8]), other).ends.tolist() == [3]

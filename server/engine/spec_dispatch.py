@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -112,7 +113,7 @@ class SpecDispatcher:
         learner = self.learner
         choices = self.speculators["auto"].choose([seqs[i].request for i in live],
                                                   [seqs[i].num_draft_slots for i in live],
-                                                  learner.choose_method) if live else []
+                                                  partial(learner.choose_methods, num_seqs=len(seqs))) if live else []
         chosen = dict(zip(live, choices))
         for i in auto:
             methods[i] = chosen.get(i, "none")

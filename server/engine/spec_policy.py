@@ -44,6 +44,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from specserve.server.engine.acceptance import AcceptanceHistory, band_of
@@ -145,7 +146,28 @@ class GoodputPolicy:
         return self.alpha(method, row[2], row[3], band) if row else self.alpha(method, 0, 0, band)
 
     # -- deciding ------------------------------------------------------------------------------------
-    def choose_method(self, request, k: int, lengths: dict[str, int]) -> str:
+    def choose_methods(self, requests: Sequence, ks: Sequence[int], lengths: list[dict[str, int]],
+                       num_seqs: int | None = None) -> list[str]:
+        """`auto` for one step's requests: choose_method for each, priced inside the batch.
+
+        In a step of B sequences (num_seqs, all methods) a request's share of the step is (t0 + t1 B) / B,
+        and a model drafter's forward per depth is paid once by the requests that draft with it: a first
+        pass prices it as if every auto request of the step shared it, a second at the groups the first
+        formed. Example, B = 16, t0 = 12.6 ms, t1 = 0.57 ms, EAGLE-3 d = 2.6 ms: alone, a request pays the
+        full 2.6 ms per depth beside a 1.36 ms share of the step, and a weak lookup looks better; shared
+        by 12, 0.22 ms each.
+        """
+        fit = self.cost.fit()
+        t0, t1 = fit if fit is not None else NOMINAL_COST
+        num_seqs = max(num_seqs or len(requests), 1)
+        base = (t0 + t1 * num_seqs) / num_seqs - t1        # base + t1 (1 + L): the request's share
+        first = [self.choose_method(r, k, n, base, len(requests)) for r, k, n in zip(requests, ks, lengths)]
+        groups = Counter(first)
+        return [self.choose_method(r, k, n, base, {m: groups[m] + (m != mine) for m in n})
+                for r, k, n, mine in zip(requests, ks, lengths, first)]
+
+    def choose_method(self, request, k: int, lengths: dict[str, int], base: float | None = None,
+                      sharing: int | dict[str, int] | None = None) -> str:
         """`auto`: the candidate with the most expected tokens per second this step, or "none".
 
         lengths: method -> how many drafts it would verify (a context lookup knows, and has already
@@ -153,22 +175,26 @@ class GoodputPolicy:
         with acceptance a_m yields 1 + a_m + ... + a_m ** L tokens for a step of t0 + t1 (1 + L) + d_m L
         seconds (d_m = 0 for a lookup, whose drafts are already paid for); each method is rated at its
         best L <= its length, the depth the trim would keep, not at its longest. Plain decoding yields 1
-        token for t0 + t1. A request that drafted nothing for PROBE_EVERY - 1 steps takes the best candidate
-        even when none rates higher. The choice reads the context and past acceptance only, never this
-        step's target, and no request's text depends on it: greedy and seeded (coupled) sampling emit the
-        same tokens whatever the drafts, unseeded sampling keeps the target's distribution.
+        token for t0 + t1. In a batch (choose_methods) t0 is the request's share of the step (`base`) and
+        d_m is split among the `sharing` requests (one count, or per method: the group it would join). A
+        request that drafted nothing for PROBE_EVERY - 1 steps takes the best candidate even when none
+        rates higher. The choice reads the context and past acceptance only, never this step's target,
+        and no request's text depends on it: greedy and seeded (coupled) sampling emit the same tokens
+        whatever the drafts, unseeded sampling keeps the target's distribution.
         """
         band = band_of(request)
         fit = self.cost.fit()
         t0, t1 = fit if fit is not None else NOMINAL_COST
+        t0 = t0 if base is None else base
         best, best_rate = "none", 1.0 / (t0 + t1)
         probe, probe_rate = "none", 0.0
         for method, n in lengths.items():
             n = min(n, k)
             if n <= 0 or self.is_collapsed(method, band):
                 continue
+            share = sharing.get(method, 1) if isinstance(sharing, dict) else (sharing or 1)
             rate = self._best_rate(self.request_alpha(request, method), n, t0, t1,
-                                   self.draft_step_s.get(method, 0.0))
+                                   self.draft_step_s.get(method, 0.0) / max(share, 1))
             if rate > best_rate:
                 best, best_rate = method, rate
             if rate > probe_rate:
