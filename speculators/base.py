@@ -196,6 +196,9 @@ class Speculator:
     aux_layer_ids: tuple[int, ...] = ()
     # True: record(step, slot_mapping) sees every target forward's rows (prefix-cache state stash)
     records_states: bool = False
+    # seconds of the last propose spent reading what the drafter had not seen yet (a draft model's first
+    # look at a prompt, a resting head's catch-up): not the price of a draft step (server/engine/spec_policy.py)
+    last_catch_up_s: float = 0.0
 
     @classmethod
     def build(cls, ctx: BuildContext) -> Speculator | None:

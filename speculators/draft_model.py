@@ -25,6 +25,7 @@ noise, no probs), which keeps the seed's text (speculators/draft_sampling.py).
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,7 +166,12 @@ class DraftModelSpeculator(Speculator):
 
     def _draft(self, live: list[_Live], first_tokens: list[list[int]]) -> None:
         ends = [item.request.num_tokens for item in live]
+        start = time.perf_counter()
         logits = self._forward([item.state for item in live], first_tokens, ends)   # [a, vocab]
+        # a first forward over more than the usual 1-2 unseen tokens per request is mostly catch-up
+        unseen = sum(len(t) for t in first_tokens)
+        self.last_catch_up_s = (time.perf_counter() - start) * (1 - 2 * len(live) / unseen) \
+            if unseen > 2 * len(live) else 0.0
         self._sample(live, logits)
         for item, end in zip(live, ends):
             item.state.num_confirmed = end

@@ -35,6 +35,14 @@ class HeadSpeculator(Speculator):
     def cache(self) -> DraftKVCache:
         return self.drafter.cache
 
+    @property
+    def last_catch_up_s(self) -> float:                       # the drafter times its catch-up
+        return self.drafter.last_catch_up_s
+
+    @last_catch_up_s.setter
+    def last_catch_up_s(self, seconds: float) -> None:
+        self.drafter.last_catch_up_s = seconds
+
     def bind(self) -> None:
         """Hook before the head reads a forward's states (EAGLE-3 re-reads the runner's tap order)."""
 

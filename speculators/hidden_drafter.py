@@ -39,6 +39,7 @@ Worked example, EAGLE-3 (n = 1), k = 3, context t_0..t_4 (N = 5), target states 
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -122,6 +123,7 @@ class HiddenStateDrafter:
         self._seqs: dict[str, _HeadSeq] = {}
         self.num_prefix_catch_ups = 0     # requests whose cached prompt prefix the head read from the stash
         self.num_rested = 0               # request-steps observe() passed over (the stash fills them in)
+        self.last_catch_up_s = 0.0        # seconds the last propose spent in catch_up
         self._drafted: set[str] = set()   # requests proposed for since their last observe
         # reason -> count since the engine last drained it (spec_decode_refused_total):
         # "drafter_cache_full": a step drafted nothing for want of KV room; "prefix_unseen": the head had
@@ -229,7 +231,9 @@ class HiddenStateDrafter:
     def propose(self, requests: Sequence, ks: Sequence[int]) -> DraftProposal:
         asked = [req for req, k in zip(requests, ks) if k > 0]
         self._drafted.update(req.request_id for req in asked)
+        start = time.perf_counter()
         self.catch_up(asked)
+        self.last_catch_up_s = time.perf_counter() - start
         live: list[_Live] = []
         for i, (req, k) in enumerate(zip(requests, ks)):
             seq = self._seqs.get(req.request_id)

@@ -367,3 +367,40 @@ def test_auto_prices_a_model_drafter_shared_by_the_batch_that_chooses_it():
     assert p.choose_method(reqs[0], 8, lengths) == "ngram"
     assert p.choose_methods(reqs[:1], [8], [lengths], num_seqs=1) == ["ngram"]
     assert p.choose_methods(reqs, [8] * 16, [lengths] * 16, num_seqs=16) == ["eagle3"] * 16
+
+
+class _CatchingUp:
+    """A model drafter on a fake clock: 50 ms of catch-up on a request's first propose, then 1 ms per
+    draft step."""
+    name = "slowstart"
+    last_catch_up_s = 0.0
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock, self.seen = clock, set()
+
+    def propose(self, requests, ks):
+        from specserve.speculators.base import DraftProposal
+        fresh = [r for r in requests if r.request_id not in self.seen]
+        self.seen.update(r.request_id for r in fresh)
+        self.last_catch_up_s = 0.050 * len(fresh)
+        self.clock[0] += self.last_catch_up_s + 0.001 * max(ks)
+        return DraftProposal([[7] * k for k in ks], [None] * len(ks))
+
+    def drain_refusals(self):
+        return {}
+
+
+def test_a_catch_up_is_not_booked_as_the_drafters_price_per_depth(monkeypatch):
+    from specserve.server.engine import spec_dispatch
+    from specserve.server.engine.stats import StepStats
+    from specserve.speculators import registry
+    clock = [0.0]
+    monkeypatch.setattr(spec_dispatch.time, "perf_counter", lambda: clock[0])
+    entry = registry.Method("slowstart", f"{__name__}:_CatchingUp", "always", model_based=True)
+    with registry.registered(entry):
+        dispatcher = spec_dispatch.SpecDispatcher({"slowstart": _CatchingUp(clock)}, policy=None)
+        for step in range(5):
+            seqs = [seq(f"r{step}", 4, method="slowstart")]             # a new request every step
+            dispatcher.propose(seqs, StepStats())
+    cost = dispatcher.learner.draft_step_s["slowstart"]
+    assert cost == pytest.approx(0.001)                               # 1 ms per depth, catch-ups aside

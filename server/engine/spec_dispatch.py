@@ -84,14 +84,16 @@ class SpecDispatcher:
         for (method, by_auto), idx in groups.items():
             ks = [seqs[i].num_draft_slots for i in idx]
             reqs = [seqs[i].request for i in idx]
+            drafter = self._drafter(method, by_auto)
+            drafter.last_catch_up_s = 0.0
             t0 = time.perf_counter()
             if by_auto:
                 proposal = self.speculators["auto"].drafts(method, reqs, ks)
             else:
                 proposal = self.speculators[method].propose(reqs, ks)
             seconds = time.perf_counter() - t0
-            if drafts_per_depth(method):
-                self.learner.observe_propose(method, seconds, max(ks))
+            if drafts_per_depth(method):        # a catch-up is no draft step's price
+                self.learner.observe_propose(method, seconds - drafter.last_catch_up_s, max(ks))
             elif not by_auto:                # auto's lookups ran before it chose (their drafts are reused)
                 self.learner.observe_lookup(method, seconds, len(reqs))
             for j, i in enumerate(idx):
@@ -101,6 +103,11 @@ class SpecDispatcher:
                 probs[i] = p[:len(drafts[i])] if p is not None else None
         self._drain_refusals(stats)
         return drafts, probs
+
+    def _drafter(self, method: str, by_auto: bool) -> Speculator:
+        """The object whose drafting a propose for `method` runs (the hybrid's is its model drafter)."""
+        spec = self.speculators["auto"].members[method] if by_auto else self.speculators[method]
+        return getattr(spec, "fallback", spec)
 
     def _choose(self, seqs: list[ScheduledSeq]) -> list[str]:
         """Each seq's method this step: its own, or for `auto` the chosen one ("none": no drafts)."""
