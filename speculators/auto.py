@@ -23,6 +23,7 @@ if loaded and its acceptance pays for its draft forwards, else plain decoding fo
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 from specserve.speculators.base import BuildContext, DraftProposal, SpecRequest, Speculator, VerifiedStep
@@ -62,6 +63,8 @@ class AutoSpeculator(Speculator):
         self._seen: tuple[int, ...] = ()
         self.members: dict[str, Speculator] = {}
         self.synced: list[Speculator] = []       # distinct members that observe target states
+        self._synced_names: list[str] = []
+        self.observe_seconds: dict[str, float] = {}   # member -> seconds its last observe took
         self.chooser: Chooser = each_longest_lookup
         self._lookup_drafts: dict[str, dict[str, list[int]]] = {}    # request id -> method -> draft
         self._refresh()
@@ -72,12 +75,13 @@ class AutoSpeculator(Speculator):
             return
         self._seen = now
         self.members = {m: s for m, s in self._loaded.items() if m not in NOT_MEMBERS and s is not self}
-        synced: dict[int, Speculator] = {}
-        for spec in self.members.values():
+        synced: dict[int, tuple[str, Speculator]] = {}
+        for name, spec in self.members.items():
             spec = getattr(spec, "fallback", spec)          # the hybrid's drafter is a member's object
             if type(spec).observe is not Speculator.observe:
-                synced[id(spec)] = spec
-        self.synced = list(synced.values())
+                synced.setdefault(id(spec), (name, spec))
+        self.synced = [spec for _, spec in synced.values()]
+        self._synced_names = [name for name, _ in synced.values()]
 
     @classmethod
     def build(cls, ctx: BuildContext) -> AutoSpeculator:
@@ -123,8 +127,11 @@ class AutoSpeculator(Speculator):
 
     def observe(self, step: VerifiedStep) -> None:
         self._refresh()
-        for spec in self.synced:
+        self.observe_seconds = {}
+        for name, spec in zip(self._synced_names, self.synced):
+            start = time.perf_counter()
             spec.observe(step)
+            self.observe_seconds[name] = time.perf_counter() - start
 
     def release(self, request: SpecRequest) -> None:
         self._lookup_drafts.pop(request.request_id, None)

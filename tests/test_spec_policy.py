@@ -404,3 +404,15 @@ def test_a_catch_up_is_not_booked_as_the_drafters_price_per_depth(monkeypatch):
             dispatcher.propose(seqs, StepStats())
     cost = dispatcher.learner.draft_step_s["slowstart"]
     assert cost == pytest.approx(0.001)                               # 1 ms per depth, catch-ups aside
+
+
+def test_a_heads_observe_after_drafting_is_part_of_the_first_depths_price():
+    p = fitted_policy()
+    p.observe_propose("eagle3", 0.001, 1)
+    crowd = [seq(f"e{i}", 2, 70, 100, "eagle3") for i in range(8)]
+    p.trim(crowd)
+    assert all(s.num_draft_slots > 0 for s in crowd)
+    p.observe_follow_up("eagle3", 0.2)                               # an observe dearer than the gain
+    again = [seq(f"f{i}", 2, 70, 100, "eagle3") for i in range(8)]
+    p.trim(again)
+    assert all(s.num_draft_slots == 0 for s in again)

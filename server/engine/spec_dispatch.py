@@ -53,6 +53,7 @@ class SpecDispatcher:
         self.policy = policy                          # GoodputPolicy or None: learns draft costs and acceptance
         self._auto_policy = GoodputPolicy()           # auto's estimates when the server runs no policy
         self._chosen: dict[str, str] = {}             # auto request id -> its method this step
+        self._drafted_methods: set[str] = set()       # methods (auto's members too) that drafted this step
 
     @property
     def learner(self) -> GoodputPolicy:
@@ -81,6 +82,7 @@ class SpecDispatcher:
         for i, seq in enumerate(seqs):
             if seq.num_draft_slots > 0:
                 groups.setdefault((methods[i], seq.request.spec_params.method == "auto"), []).append(i)
+        self._drafted_methods = {method for method, _ in groups}
         for (method, by_auto), idx in groups.items():
             ks = [seqs[i].num_draft_slots for i in idx]
             reqs = [seqs[i].request for i in idx]
@@ -172,11 +174,13 @@ class SpecDispatcher:
                     aux_hidden=result.aux_hidden)
                 spec.record(everything, batch.attn.slot_mapping)
         groups: dict[str, list[int]] = {}
+        decode_only = all(s.num_new_tokens == 1 for s in seqs)
         for i, seq in enumerate(seqs):
             method = seq.request.spec_params.method
             if method in self.speculators and not seq.request.is_finished:
                 groups.setdefault(method, []).append(i)
         for method, idx in groups.items():
+            start = time.perf_counter()
             self.speculators[method].observe(VerifiedStep(
                 requests=[seqs[i].request for i in idx],
                 num_computed_before=[computed_before[i] for i in idx],
@@ -186,6 +190,20 @@ class SpecDispatcher:
                 num_accepted=[accepted[i] for i in idx],
                 sampled=[seqs[i].samples for i in idx],
                 hidden=result.hidden, prenorm_hidden=result.prenorm_hidden, aux_hidden=result.aux_hidden))
+            self._book_observe(method, time.perf_counter() - start, decode_only)
+
+    def _book_observe(self, method: str, seconds: float, decode_only: bool) -> None:
+        """A head observes the rows of the requests it drafted for: a forward each step it drafts, booked
+        to the policy as that method's follow-up cost (auto books each member's own). Only steps where
+        the method drafted, without prefill rows (a prompt's first observe is no per-step cost)."""
+        if not decode_only:
+            return
+        if method == "auto":
+            for member, secs in self.speculators["auto"].observe_seconds.items():
+                if member in self._drafted_methods:
+                    self.learner.observe_follow_up(member, secs)
+        elif method in self._drafted_methods and drafts_per_depth(method):
+            self.learner.observe_follow_up(method, seconds)
 
     @staticmethod
     def _book_step(st: SpecStepStats, num_draft: int, num_accepted: int) -> None:

@@ -9,6 +9,8 @@ second:
     step time        T(N) = t0 + t1 * N          (N = query tokens in the forward; fitted online)
     draft step       d_m  seconds per draft step of method m (model-based drafters, one forward per depth)
     lookup           c_m  seconds per request of a context lookup (suffix, ngram), paid once whatever its length
+    follow-up        o_m  seconds of a head's observe of the rows its drafts were verified in: once per step
+                          the method drafts in, whatever the depth (part of depth 1's price)
     request i        alpha_i = its observed acceptance at a drafted position, given the ones before it
                      were accepted (accepted / attempted positions; a prior from its method's history)
     position j       expected extra tokens alpha_i ** j, extra cost t1 (verifying it)
@@ -81,6 +83,7 @@ class GoodputPolicy:
         self.calibration: list[tuple[int, float]] = []        # start-up (num_tokens, seconds) samples
         self.draft_step_s: dict[str, float] = {}              # model drafter -> EMA seconds per draft step
         self.lookup_s: dict[str, float] = {}                  # lookup -> EMA seconds per request and step
+        self.follow_up_s: dict[str, float] = {}               # model drafter -> EMA seconds of its observe
         self.dry: dict[str, int] = {}                         # request id -> steps in a row without drafts
 
     # -- learning ------------------------------------------------------------------------------------
@@ -101,6 +104,11 @@ class GoodputPolicy:
             old = self.draft_step_s.get(method)
             per = seconds / steps
             _ema(self.draft_step_s, method, per if old is None else min(per, MAX_DRAFT_RISE * old))
+
+    def observe_follow_up(self, method: str, seconds: float) -> None:
+        """A head's observe after a step it drafted in: one more forward over the verified rows, paid once
+        per step by the group that drafted with it (part of depth 1's price)."""
+        _ema(self.follow_up_s, method, seconds)
 
     def observe_lookup(self, method: str, seconds: float, num_requests: int) -> None:
         """A context lookup's propose call for `num_requests` requests: its cost does not grow with depth."""
@@ -193,8 +201,10 @@ class GoodputPolicy:
             if n <= 0 or self.is_collapsed(method, band):
                 continue
             share = sharing.get(method, 1) if isinstance(sharing, dict) else (sharing or 1)
+            share = max(share, 1)
             rate = self._best_rate(self.request_alpha(request, method), n, t0, t1,
-                                   self.draft_step_s.get(method, 0.0) / max(share, 1))
+                                   self.draft_step_s.get(method, 0.0) / share,
+                                   self.follow_up_s.get(method, 0.0) / share)
             if rate > best_rate:
                 best, best_rate = method, rate
             if rate > probe_rate:
@@ -202,13 +212,13 @@ class GoodputPolicy:
         return probe if best == "none" and self.probing(request) else best
 
     @staticmethod
-    def _best_rate(a: float, n: int, t0: float, t1: float, d: float) -> float:
-        """max over L in 1..n of (1 + a + ... + a ** L) / (t0 + t1 (1 + L) + d L)."""
+    def _best_rate(a: float, n: int, t0: float, t1: float, d: float, follow_up: float = 0.0) -> float:
+        """max over L in 1..n of (1 + a + ... + a ** L) / (t0 + t1 (1 + L) + d L + follow_up)."""
         tokens, term, best = 1.0, 1.0, 0.0
         for depth in range(1, n + 1):
             term *= a
             tokens += term
-            best = max(best, tokens / (t0 + t1 * (1 + depth) + d * depth))
+            best = max(best, tokens / (t0 + t1 * (1 + depth) + d * depth + follow_up))
         return best
 
     def trim(self, seqs: Sequence[ScheduledSeq], methods: Sequence[str] | None = None) -> int:
@@ -242,8 +252,8 @@ class GoodputPolicy:
                 looked_up = adaptive[i].request.spec_params.method == "auto"
                 cost = t1 + (0.0 if looked_up else self.lookup_s.get(m, 0.0))
                 heapq.heappush(heap, (-alphas[i] / cost, len(heap), None, 1, [i], cost))
-        for m, members in groups.items():
-            cost = len(members) * t1 + self.draft_step_s[m]
+        for m, members in groups.items():        # depth 1 also pays the head's observe of the verified rows
+            cost = len(members) * t1 + self.draft_step_s[m] + self.follow_up_s.get(m, 0.0)
             heapq.heappush(heap, (-sum(alphas[i] for i in members) / cost, len(heap), m, 1, members, cost))
         serial = len(heap)
         while heap:
@@ -252,7 +262,8 @@ class GoodputPolicy:
             members = [i for i in members if alphas[i] ** depth * seconds > t1 * gained]
             gain = sum(alphas[i] ** depth for i in members)
             # a group pays for its remaining members; a request's entry (one member) costs what it was priced
-            cost = len(members) * t1 + self.draft_step_s[m] if m is not None else entry_cost
+            cost = entry_cost if m is None else \
+                len(members) * t1 + self.draft_step_s[m] + (self.follow_up_s.get(m, 0.0) if depth == 1 else 0.0)
             if not members or gain * seconds <= cost * gained:      # gain / cost <= tokens per second so far
                 continue
             for i in members:
