@@ -18,9 +18,10 @@ the head's rollback is its `ends` counters alone. When the target served the fir
 request from its prefix cache, the head's first observe reads their layer-0 inputs from the state stash
 (record() writes every forward's rows there; speculators/state_stash.py) and runs layer 0 over bases
 [0, P + valid) at once, so it never drafts blind to a cached prompt. The same read lets a head with a
-stash rest: observe() passes over a request the head has not drafted for since its last observe (the
-goodput policy cut its drafts, the hybrid's lookup drafted instead, or a later prefill chunk), and propose
-runs the layers over every base it skipped, in one forward (catch_up), before it drafts again.
+stash rest: observe() passes over a request the head has not drafted for since its last observe (its
+prompt's prefill, the goodput policy cut its drafts, the hybrid's or `auto`'s choice went elsewhere), and
+propose runs the layers over every base it skipped, in one forward (catch_up), before it drafts again. A
+head that is never chosen for a request (auto, hybrid) thus never runs over its rows.
 
 propose(), with N = num_tokens (the last token t_{N-1} has no target state yet):
   step 0:        d_1 from g^0_{N-2} (already computed by observe: no forward)
@@ -121,7 +122,7 @@ class HiddenStateDrafter:
             cache.num_blocks * cache.block_size, head.hidden_size, cache.block_size, self.dtype, self.device,
             project=head.stash_project)
         self._seqs: dict[str, _HeadSeq] = {}
-        self.num_prefix_catch_ups = 0     # requests whose cached prompt prefix the head read from the stash
+        self.num_prefix_catch_ups = 0     # requests whose prompt (cached or unobserved) it read from the stash
         self.num_rested = 0               # request-steps observe() passed over (the stash fills them in)
         self.last_catch_up_s = 0.0        # seconds the last propose spent in catch_up
         self._drafted: set[str] = set()   # requests proposed for since their last observe
@@ -141,10 +142,9 @@ class HiddenStateDrafter:
     def observe(self, step: VerifiedStep) -> None:
         items, rows, firsts = [], [], []
         for i, req in enumerate(step.requests):
-            if (self.stash is not None and req.request_id not in self._drafted
-                    and req.request_id in self._seqs):
+            if self.stash is not None and req.request_id not in self._drafted:
                 self.num_rested += 1
-                continue                # resting: catch_up reads the gap from the stash before it drafts
+                continue                # resting (a new request too): catch_up reads the gap from the stash
             self._drafted.discard(req.request_id)
             start, valid = step.num_computed_before[i], step.valid_lens[i]
             seq = self._sync(req, start, start + valid)
@@ -168,6 +168,10 @@ class HiddenStateDrafter:
         for req in requests:
             seq = self._seqs.get(req.request_id)
             end0 = req.num_tokens - 1           # positions with a target state
+            if seq is None and self.stash is not None and end0 > 0:
+                # never observed: read the prompt from the stash, from position 0 where the cache has room,
+                # else from its last state only (counted as prefix_unseen)
+                seq = self._sync(req, end0 - 1, end0)
             if self.stash is None or seq is None or seq.ends[0] >= end0:
                 continue
             if not self.cache.reserve(seq.kv, end0):
