@@ -56,19 +56,21 @@ def scoped(spec: SpecParams, scope: str) -> SpecParams:
 
 
 def batch1(eng: LLM, warm: Warm, work: list[tuple[list[int], str | None]], specs: dict[str, SpecParams],
-           temperature: float, new: int, tag: str) -> dict[str, dict]:
-    """work: (prompt ids, warm group or None = fresh). Every prompt runs every arm, order rotating."""
+           temperature: float, new: int, tag: str, rounds: int = 1) -> dict[str, dict]:
+    """work: (prompt ids, warm group or None = fresh). Every prompt runs every arm, order rotating. Each
+    round has cache scopes of its own: a later round must not find an earlier round's answer."""
     names = list(specs)
     secs, toks, acc, drafts, diff = ({n: 0.0 for n in names}, {n: 0 for n in names}, {n: 0 for n in names},
                                      {n: 0 for n in names}, {n: 0 for n in names})
-    for i, (prompt, scope) in enumerate(work):
+    for i, (prompt, scope) in enumerate(work * rounds):
+        round_tag = f"{tag}-r{i // len(work)}"
         params = SamplingParams(temperature=temperature, max_tokens=new, ignore_eos=True,
                                 seed=1000 + i if temperature else None)
         order = names[i % len(names):] + names[:i % len(names)]
         ref = None
         outs = {}
         for name in order:
-            spec = scoped(specs[name], warm.scope(scope, name, tag) if scope else f"{tag}-{name}-{i}")
+            spec = scoped(specs[name], warm.scope(scope, name, round_tag) if scope else f"{tag}-{name}-{i}")
             start = time.perf_counter()
             outs[name] = out = eng.generate([prompt], params, spec)[0]
             secs[name] += time.perf_counter() - start
@@ -157,8 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'set':16} {'T':>4} {'none/s':>6} {header}   auto/best  (speedup vs none / tau)")
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         for name in args.sets.split(","):
-            res = batch1(eng, warm, sets[name] * args.rounds, specs, temperature, args.new_tokens,
-                         f"{name}-{temperature}")
+            res = batch1(eng, warm, sets[name], specs, temperature, args.new_tokens, f"{name}-{temperature}",
+                         args.rounds)
             best = max((n for n in specs if n not in ("none", "auto")), key=lambda n: res[n]["speedup"])
             cells = " ".join(f"{res[n]['speedup']:5.2f}x/{res[n]['tau']:4.2f}" for n in specs)
             diffs = {n: r["greedy_diff"] for n, r in res.items() if r["greedy_diff"]}
