@@ -105,9 +105,9 @@ class AsyncEngine(EngineFrontend):
                     self._wake.clear()
                     continue
                 outputs, stats = self.engine.step()
-                self._deliver(outputs)
-                if self.on_step is not None:
+                if self.on_step is not None:      # metrics first: a finished response's steps are in /metrics
                     self.on_step(stats)
+                self._deliver(outputs)
             except Exception as exc:   # an engine bug must fail requests, not hang them
                 log.exception("engine step failed")
                 self._die(exc)

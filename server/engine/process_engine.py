@@ -14,7 +14,7 @@ Here the engine process (engine_worker.py) owns the model; this process keeps th
 are tokenized before they reach the engine) and checks every request against the engine's shape
 (request_checks.py) and the speculators' option rules, so refusals stay immediate 400s. Two threads
 move messages: a sender, so that the event loop never blocks on a full pipe, and a reader, which
-delivers each step's outputs to the requests' queues and calls on_step (metrics). If the engine
+calls on_step (metrics) and delivers each step's outputs to the requests' queues. If the engine
 process dies, every request in flight fails with EngineDeadError and /health turns unhealthy, as
 when AsyncEngine's thread dies.
 """
@@ -171,12 +171,12 @@ class ProcessEngine(EngineFrontend):
                 return
             if isinstance(msg, StepDone):
                 self._gauges = msg.gauges
-                self._deliver(msg.outputs)
-                if self.on_step is not None:
+                if self.on_step is not None:      # metrics first: a finished response's steps are in /metrics
                     try:
                         self.on_step(msg.stats)
                     except Exception:      # metrics must not stop the outputs
                         log.exception("on_step failed")
+                self._deliver(msg.outputs)
             elif isinstance(msg, Reply):
                 self._deliver_one(msg.request_id, msg.item)
             elif isinstance(msg, GaugesChanged):
