@@ -28,6 +28,7 @@ from specserve.server.engine.spec_policy import GoodputPolicy
 from specserve.server.engine.stats import SpecStepStats, StepStats
 from specserve.speculators import registry
 from specserve.speculators.base import Speculator, VerifiedStep, count_accepted_positions
+from specserve.speculators.draft_tree import check_tree
 
 
 def validate_spec(spec, validator: Callable[[str], Callable[[dict], None]] = registry.validator) -> None:
@@ -37,6 +38,8 @@ def validate_spec(spec, validator: Callable[[str], Callable[[dict], None]] = reg
         registry.validator("none")(spec.options)
         return
     validator(spec.method)(spec.options)
+    if spec.draft_tree is not None:
+        check_tree(spec.draft_tree, spec.num_speculative_tokens, spec.method)
 
 
 class SpecDispatcher:
@@ -45,6 +48,8 @@ class SpecDispatcher:
         self.policy = policy                          # GoodputPolicy or None: learns draft costs and acceptance
         self._auto_policy = GoodputPolicy()           # auto's estimates when the server runs no policy
         self._chosen: dict[str, str] = {}             # auto request id -> its method this step
+        # per seq of the last propose: a draft tree's parents (speculators/draft_tree.py), or None (a chain)
+        self.tree_parents: list[list[int] | None] = []
 
     @property
     def learner(self) -> GoodputPolicy:
@@ -68,6 +73,7 @@ class SpecDispatcher:
                 stats.spec_refused["load"] = stats.spec_refused.get("load", 0) + cut
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[torch.Tensor | None] = [None for _ in seqs]
+        self.tree_parents = [None for _ in seqs]
         groups: dict[tuple[str, bool], list[int]] = {}     # (method, chosen by auto) -> seqs
         for i, seq in enumerate(seqs):
             if seq.num_draft_slots > 0:
@@ -86,6 +92,9 @@ class SpecDispatcher:
                 drafts[i] = list(proposal.token_ids[j][:k])
                 p = proposal.draft_probs[j]
                 probs[i] = p[:len(drafts[i])] if p is not None else None
+                tree = proposal.parents[j] if proposal.parents is not None else None
+                if tree is not None and drafts[i]:    # nodes come in depth order: any prefix is a tree
+                    self.tree_parents[i] = list(tree[:len(drafts[i])])
         self._drain_refusals(stats)
         return drafts, probs
 

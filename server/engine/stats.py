@@ -13,6 +13,7 @@ class SpecStepStats:
     accepted_per_pos: list[int] = field(default_factory=list)    # [max k in step]
     tokens_per_step: list[int] = field(default_factory=list)     # per verifying request: accepted + 1
     num_grammar_rejected: int = 0    # requests whose drafts the grammar forbade at some position this step
+    accepted_depths: list[int] = field(default_factory=list)     # per draft-tree request: accepted path depth
 
 
 @dataclass
