@@ -11,7 +11,7 @@ from typing import Any
 
 from specserve.speculators import registry
 from specserve.speculators.base import DraftTree, SpecParams
-from specserve.speculators.draft_tree import TREE_METHODS, check_tree
+from specserve.speculators.tree_shape import TREE_METHODS, check_tree
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATION_POLICIES = ("goodput", "fixed")

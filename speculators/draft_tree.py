@@ -24,38 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from specserve.server.models.attention import build_attention_metadata
-from specserve.server.models.attention_metadata import SHORT_QUERY_MAX
 from specserve.server.models.tree_attention import restrict_rows
 from specserve.speculators.base import DraftTree
+from specserve.speculators.tree_shape import as_tree, check_tree
 
-TREE_METHODS = ("eagle3", "eagle")     # drafters that build trees (one-layer hidden-state heads)
-TREE_MAX_NODES = SHORT_QUERY_MAX - 1   # root + nodes fit one padded tree-masked attention call
-TREE_MAX_TOP_K = 8
-TREE_MAX_DEPTH = 16
-
-
-def check_tree(tree: DraftTree, k: int, method: str | None = None) -> None:
-    """ValueError naming what is wrong with a draft tree of k verified nodes (method None: any)."""
-    if not 1 <= tree.top_k <= TREE_MAX_TOP_K:
-        raise ValueError(f"draft_tree.top_k must be in [1, {TREE_MAX_TOP_K}], got {tree.top_k}")
-    if not 1 <= tree.depth <= TREE_MAX_DEPTH:
-        raise ValueError(f"draft_tree.depth must be in [1, {TREE_MAX_DEPTH}], got {tree.depth}")
-    if tree.top_k == 1:
-        return
-    if method is not None and method not in TREE_METHODS:
-        raise ValueError(f"speculation method {method!r} drafts chains only; draft trees (top_k > 1) "
-                         f"are drafted by {list(TREE_METHODS)}")
-    if not 1 <= k <= TREE_MAX_NODES:
-        raise ValueError(f"a draft tree verifies num_speculative_tokens nodes, which must be in "
-                         f"[1, {TREE_MAX_NODES}], got {k}")
-    if tree.depth > k:
-        raise ValueError(f"draft_tree.depth ({tree.depth}) cannot exceed num_speculative_tokens ({k})")
-
-
-def as_tree(tree: DraftTree | None) -> DraftTree | None:
-    """The tree to draft, or None for a chain (no tree, or top_k 1)."""
-    return tree if tree is not None and tree.top_k > 1 else None
-
+__all__ = ["HeadTreeBuilder", "as_tree", "best_nodes", "check_tree"]
 
 @dataclass
 class Candidate:

@@ -50,3 +50,75 @@ def test_parse_draft_tree_field():
             parse_speculation({"method": "eagle3", "num_speculative_tokens": 8, "draft_tree": bad})
     with pytest.raises(ValueError, match="drafts chains only"):
         parse_speculation({"method": "ngram", "num_speculative_tokens": 4, "draft_tree": {"top_k": 2}})
+
+
+# ------------------------------------------------------------------- the embedded family (a trained head)
+@pytest.fixture(scope="module")
+def embedded():
+    from specserve.server.config import EngineConfig
+    from specserve.server.engine.offline import OfflineEngine
+    cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, kv_cache_memory_gb=0.05,
+                       speculation_policy="fixed")
+    eng = OfflineEngine.from_config(cfg)
+    tok = eng.engine.tokenizer
+    return eng, [tok.encode(t) for t in ("The history of the city began", "def fibonacci(n):")]
+
+
+def moved_rows(monkeypatch) -> list[int]:
+    """Counts the K/V rows the engine's compaction moves (branches accepted off the first child)."""
+    from specserve.server.engine import engine as engine_module
+    moved: list[int] = []
+    original = engine_module.accepted_moves
+
+    def counting(*args):
+        src, dst = original(*args)
+        moved.append(len(src))
+        return src, dst
+    monkeypatch.setattr(engine_module, "accepted_moves", counting)
+    return moved
+
+
+def test_after_a_tree_step_the_target_sees_only_the_accepted_path(embedded, monkeypatch):
+    """Greedy with top-5 logprobs: every row the tree run samples from (the next step's logits included)
+    equals the plain run's, which never saw the rejected branches. Without the compaction the K/V of a
+    branch accepted off the first child sits in the wrong slots, and the text or the logprobs differ."""
+    eng, prompts = embedded
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=5)
+    refs = eng.generate(prompts, params)
+    moved = moved_rows(monkeypatch)
+    outs = eng.generate(prompts, params, tree(8, 4, 4))
+    assert sum(moved) > 0                                   # some accepted paths left the first-child line
+    for out, ref in zip(outs, refs):
+        assert out.token_ids == ref.token_ids
+        assert out.spec_stats.num_accepted_tokens > out.spec_stats.num_tree_steps   # > 1 accepted per step
+        for got, want in zip(out.logprobs, ref.logprobs):
+            assert got.token_id == want.token_id
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    from specserve.server.engine import engine as engine_module
+    monkeypatch.setattr(engine_module, "compact_tree_kv", lambda *args: None)
+    broken = eng.generate(prompts, params, tree(8, 4, 4))
+    assert any(b.token_ids != r.token_ids or any(abs(x.logprob - y.logprob) > 1e-3
+                                                 for x, y in zip(b.logprobs, r.logprobs))
+               for b, r in zip(broken, refs))
+
+
+def test_seeded_tree_text_equals_plain_seeded(embedded):
+    eng, prompts = embedded
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=32, ignore_eos=True, top_p=0.95,
+                            presence_penalty=0.3)
+    refs = [o.token_ids for o in eng.generate(prompts, params)]
+    outs = eng.generate(prompts, params, tree(8, 3, 4))
+    assert [o.token_ids for o in outs] == refs
+    assert all(o.spec_stats.num_accepted_tokens > 0 for o in outs)
+
+
+def test_top_k_1_is_the_chain_bit_for_bit(embedded):
+    eng, prompts = embedded
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    chain = eng.generate(prompts, params, SpecParams("eagle3", 6))
+    one = eng.generate(prompts, params, tree(6, 1, 6))
+    for a, b in zip(chain, one):
+        assert a.token_ids == b.token_ids
+        assert a.spec_stats.accepted_per_pos == b.spec_stats.accepted_per_pos
+        assert b.spec_stats.num_tree_steps == 0 and b.spec_stats.draft_tree is None

@@ -9,7 +9,7 @@ again) must fail the test.
 from __future__ import annotations
 
 import pytest
-from test_engine_distribution import BIAS, MIN_P, NUM_REQUESTS, NUM_TOKENS, PROMPT, S, TOP_P, p_value, setup
+from test_engine_distribution import BIAS, MIN_P, NUM_REQUESTS, NUM_TOKENS, PROMPT, TOP_P, S, p_value, setup
 
 from specserve.sampling import tree_verify
 from specserve.sampling.params import SamplingParams

@@ -28,7 +28,7 @@ from specserve.server.engine.spec_policy import GoodputPolicy
 from specserve.server.engine.stats import SpecStepStats, StepStats
 from specserve.speculators import registry
 from specserve.speculators.base import Speculator, VerifiedStep, count_accepted_positions
-from specserve.speculators.draft_tree import check_tree
+from specserve.speculators.tree_shape import check_tree
 
 
 def validate_spec(spec, validator: Callable[[str], Callable[[dict], None]] = registry.validator) -> None:
