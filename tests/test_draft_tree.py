@@ -122,3 +122,42 @@ def test_top_k_1_is_the_chain_bit_for_bit(embedded):
         assert a.token_ids == b.token_ids
         assert a.spec_stats.accepted_per_pos == b.spec_stats.accepted_per_pos
         assert b.spec_stats.num_tree_steps == 0 and b.spec_stats.draft_tree is None
+
+
+def test_tree_shape_and_accepted_depth_reach_the_response_and_metrics(embedded):
+    from prometheus_client import CollectorRegistry
+
+    from specserve.server.api.responses import SpeculationInfo
+    from specserve.server.metrics import Metrics
+    eng, prompts = embedded
+    engine = eng.engine
+    metrics = Metrics("m", registry=CollectorRegistry())
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = tree(8, 4, 4)
+    engine.add_request("t", prompts[0], params, spec)
+    engine.add_request("c", prompts[1], params, SpecParams("eagle3", 4))
+    done = {}
+    while engine.has_work:
+        outs, stats = engine.step()
+        metrics.on_step(stats)
+        done.update({o.request_id: o for o in outs if o.finished})
+    st = done["t"].spec_stats
+    info = SpeculationInfo.from_stats([st], spec).model_dump()["draft_tree"]
+    assert (info["top_k"], info["depth"]) == (4, 4)
+    assert info["num_tree_steps"] == st.num_drafts and info["num_tree_nodes"] == st.num_draft_tokens
+    assert sum(d * n for d, n in enumerate(info["accepted_depth"])) == st.num_accepted_tokens
+    assert info["mean_accepted_depth"] == pytest.approx(st.num_accepted_tokens / st.num_drafts)
+    assert SpeculationInfo.from_stats([done["c"].spec_stats], SpecParams("eagle3", 4)).draft_tree is None
+    text = metrics.render().decode()
+    for shape, s in (("tree", st), ("chain", done["c"].spec_stats)):
+        assert _sample(text, "spec_decode_accepted_depth_count", shape) == s.num_drafts
+        assert _sample(text, "spec_decode_accepted_depth_sum", shape) == s.num_accepted_tokens
+    assert _sample(text, "spec_decode_num_tree_nodes_total") == st.num_draft_tokens
+
+
+def _sample(text: str, name: str, shape: str | None = None) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(f"specserve:{name}{{") and (shape is None or f'draft="{shape}"' in line):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+

@@ -178,8 +178,6 @@ class Engine:
             kept = {i: paths[i][:out.num_accepted] for i, (out, _) in zip(sampling, sampled) if i in paths}
             for i, path in kept.items():
                 seqs[i].request.spec_stats.record_tree(len(drafts[i]), len(path))
-                method = seqs[i].request.spec_params.method
-                stats.spec.setdefault(method, SpecStepStats()).accepted_depths.append(len(path))
             src, dst = accepted_moves(batch, seqs, kept)
             compact_tree_kv(self.runner.kv_caches, batch, src, dst)
             result = chain_rows(result, src, dst)

@@ -50,6 +50,7 @@ class SpecDispatcher:
         self._chosen: dict[str, str] = {}             # auto request id -> its method this step
         # per seq of the last propose: a draft tree's parents (speculators/draft_tree.py), or None (a chain)
         self.tree_parents: list[list[int] | None] = []
+        self._tree_ids: set[str] = set()              # requests that verify a draft tree this step
 
     @property
     def learner(self) -> GoodputPolicy:
@@ -74,6 +75,7 @@ class SpecDispatcher:
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[torch.Tensor | None] = [None for _ in seqs]
         self.tree_parents = [None for _ in seqs]
+        self._tree_ids = set()
         groups: dict[tuple[str, bool], list[int]] = {}     # (method, chosen by auto) -> seqs
         for i, seq in enumerate(seqs):
             if seq.num_draft_slots > 0:
@@ -95,6 +97,7 @@ class SpecDispatcher:
                 tree = proposal.parents[j] if proposal.parents is not None else None
                 if tree is not None and drafts[i]:    # nodes come in depth order: any prefix is a tree
                     self.tree_parents[i] = list(tree[:len(drafts[i])])
+                    self._tree_ids.add(seqs[i].request.request_id)
         self._drain_refusals(stats)
         return drafts, probs
 
@@ -145,7 +148,11 @@ class SpecDispatcher:
                 req.spec_stats.record_method(method, len(d), out.num_accepted)
             self.learner.observe_acceptance(method, len(d), out.num_accepted)
             if d:
-                self._book_step(stats.spec.setdefault(method, SpecStepStats()), len(d), out.num_accepted)
+                st = stats.spec.setdefault(method, SpecStepStats())
+                self._book_step(st, len(d), out.num_accepted)
+                is_tree = req.request_id in self._tree_ids
+                st.accepted_depths.append(("tree" if is_tree else "chain", out.num_accepted))
+                st.num_tree_nodes += len(d) if is_tree else 0
 
     def observe(self, seqs: list[ScheduledSeq], computed_before: list[int], accepted: list[int],
                 result) -> None:
