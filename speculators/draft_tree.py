@@ -75,7 +75,8 @@ class HeadTreeBuilder:
     def __init__(self, drafter) -> None:
         self.d = drafter
         self.build_seconds = 0.0         # time spent building trees (the benchmark reports it per step)
-        self.num_built = 0
+        self.num_built = 0               # trees built (requests x steps)
+        self.num_calls = 0               # propose calls that built >= 1 tree
 
     def kv_end(self, n_tok: int, tree: DraftTree) -> int:
         """Drafter KV positions a tree needs: the context up to the last known token plus one row per

@@ -255,6 +255,7 @@ class HiddenStateDrafter:
                 item.tokens, parents[item.index] = tokens, tree_parents
             self.trees.build_seconds += time.perf_counter() - t0
             self.trees.num_built += len(grown)
+            self.trees.num_calls += 1
         if live:
             first = torch.cat([item.seq.carry[0][-1:] for item in live])             # [a, H] = g^0_{N-2}
             self._sample(live, self.head.logits(0, first))

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specserve.speculators.base import DraftProposal, SpecRequest, Speculator
-from specserve.speculators.ngram_match import TokenBuffer, longest_match
+from specserve.speculators.base import DraftProposal, DraftTree, SpecRequest, Speculator
+from specserve.speculators.ngram_match import TokenBuffer, longest_match, match_starts
+from specserve.speculators.tree_shape import as_tree
 
 DEFAULT_MIN = 1
 DEFAULT_MAX = 4
@@ -26,8 +27,38 @@ def lookup_bounds(options: dict, default_min: int = DEFAULT_MIN) -> tuple[int, i
     return lo, hi
 
 
+def match_tree(ctx, lo: int, hi: int, k: int, tree: DraftTree) -> tuple[list[int], list[int]]:
+    """A draft tree of up to k nodes from the continuations of the latest `tree.top_k` occurrences of the
+    longest match (distinct continuations, latest first), each up to `tree.depth` tokens, merged where
+    they share a prefix; nodes in depth order (parents first). Example: continuations [7, 8] and [7, 9]
+    -> tokens [7, 8, 9], parents [-1, 0, 0]."""
+    starts = match_starts(ctx[:-1], ctx, lo, hi)[::-1]      # latest first (the chain's preference)
+    children: dict[tuple[int, int], int] = {}              # (parent node, token) -> node
+    depth_of: list[int] = []
+    tokens: list[int] = []
+    parents: list[int] = []
+    used = 0
+    for start in starts:
+        if used == tree.top_k:
+            break
+        node, new = -1, False
+        for tok in ctx[start:start + tree.depth].tolist():
+            if (node, tok) not in children:
+                children[(node, tok)] = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+                depth_of.append(0 if node < 0 else depth_of[node] + 1)
+                new = True
+            node = children[(node, tok)]
+        used += new
+    order = sorted(range(len(tokens)), key=lambda j: (depth_of[j], j))[:k]
+    where = {j: i for i, j in enumerate(order)}
+    return [tokens[j] for j in order], [-1 if parents[j] < 0 else where[parents[j]] for j in order]
+
+
 class NgramSpeculator(Speculator):
     name = "ngram"
+    drafts_trees = True                                  # several earlier matches become siblings
 
     def __init__(self, default_min: int = DEFAULT_MIN) -> None:
         self.default_min = default_min           # shortest match that counts when a request does not say
@@ -43,13 +74,21 @@ class NgramSpeculator(Speculator):
 
     def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
         drafts: list[list[int]] = []
+        parents: list[list[int] | None] = []
         for req, k in zip(requests, ks):
             ctx = self._context(req)                         # [L]
             lo, hi = lookup_bounds(req.spec_params.options, self.default_min)
+            tree = as_tree(req.spec_params.draft_tree)
+            if tree is not None:
+                tokens, tree_parents = match_tree(ctx, lo, hi, k, tree)
+                drafts.append(tokens)
+                parents.append(tree_parents if tokens else None)
+                continue
             # search everything but the last token, so the suffix cannot match itself
             start = longest_match(ctx[:-1], ctx, lo, hi, want=k)
             drafts.append(ctx[start:start + k].tolist() if start >= 0 else [])
-        return DraftProposal(drafts, [None] * len(drafts))
+            parents.append(None)
+        return DraftProposal(drafts, [None] * len(drafts), parents)
 
     def _context(self, req):
         buf = self._buffers.get(req.request_id)

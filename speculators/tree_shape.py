@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from specserve.speculators.base import DraftTree
 
-TREE_METHODS = ("eagle3", "eagle")     # drafters that build trees (one-layer hidden-state heads)
+# drafters that build trees: one-layer hidden-state heads (EAGLE-2 trees), prompt lookup (earlier matches)
+TREE_METHODS = ("eagle3", "eagle", "ngram")
 TREE_MAX_NODES = 15   # root + nodes fit one padded tree-masked attention call (attention_metadata.SHORT_QUERY_MAX)
 TREE_MAX_TOP_K = 8
 TREE_MAX_DEPTH = 16

@@ -161,3 +161,26 @@ def _sample(text: str, name: str, shape: str | None = None) -> float | None:
             return float(line.rsplit(" ", 1)[1])
     return None
 
+
+
+def test_ngram_tree_siblings_are_earlier_matches_and_greedy_equals_plain(tiny_model_dir):
+    import numpy as np
+
+    from specserve.speculators.ngram import match_tree
+    ctx = np.array([1, 2, 7, 8, 5, 1, 2, 7, 9, 6, 1, 2], dtype=np.int64)
+    assert match_tree(ctx, 1, 4, 8, DraftTree(2, 2)) == ([7, 9, 8], [-1, 0, 0])   # latest continuation first
+    assert match_tree(ctx, 1, 4, 2, DraftTree(2, 3)) == ([7, 9], [-1, 0])         # k nodes, depth order
+    engine = make_engine(tiny_model_dir, kv_gb=0.02)      # a random model that repeats itself
+    tok = engine.engine.tokenizer
+    prompts = [tok.encode(t) for t in ("def add(a, b):\n    return a + b\n\ndef add(a, c):\n    return a - c\n\ndef add(a,",
+                                       "x = [1, 2, 3]\ny = [1, 2, 4]\nz = [1, 2,",
+                                       "The quick brown fox. The quick red fox. The quick")]
+    params = SamplingParams(**GREEDY, max_tokens=40)
+    refs = [o.token_ids for o in engine.generate(prompts, params)]
+    specs = [SpecParams("ngram", 8, draft_tree=DraftTree(3, 4)), SpecParams("ngram", 4),
+             SpecParams("ngram", 6, draft_tree=DraftTree(2, 6))]
+    outs = engine.generate(prompts, params, specs)
+    assert [o.token_ids for o in outs] == refs
+    for out in (outs[0], outs[2]):
+        assert out.spec_stats.num_tree_steps > 0 and out.spec_stats.num_accepted_tokens > 0
+    assert_no_leaks(engine)
