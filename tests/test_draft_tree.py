@@ -172,9 +172,9 @@ def test_ngram_tree_siblings_are_earlier_matches_and_greedy_equals_plain(tiny_mo
     assert match_tree(ctx, 1, 4, 2, DraftTree(2, 3)) == ([7, 9], [-1, 0])         # k nodes, depth order
     engine = make_engine(tiny_model_dir, kv_gb=0.02)      # a random model that repeats itself
     tok = engine.engine.tokenizer
-    prompts = [tok.encode(t) for t in ("def add(a, b):\n    return a + b\n\ndef add(a, c):\n    return a - c\n\ndef add(a,",
-                                       "x = [1, 2, 3]\ny = [1, 2, 4]\nz = [1, 2,",
-                                       "The quick brown fox. The quick red fox. The quick")]
+    texts = ("def add(a, b):\n    return a + b\n\ndef add(a, c):\n    return a - c\n\ndef add(a,",
+             "x = [1, 2, 3]\ny = [1, 2, 4]\nz = [1, 2,", "The quick brown fox. The quick red fox. The quick")
+    prompts = [tok.encode(t) for t in texts]
     params = SamplingParams(**GREEDY, max_tokens=40)
     refs = [o.token_ids for o in engine.generate(prompts, params)]
     specs = [SpecParams("ngram", 8, draft_tree=DraftTree(3, 4)), SpecParams("ngram", 4),
