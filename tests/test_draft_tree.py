@@ -49,7 +49,7 @@ def test_parse_draft_tree_field():
         with pytest.raises(ValueError):
             parse_speculation({"method": "eagle3", "num_speculative_tokens": 8, "draft_tree": bad})
     with pytest.raises(ValueError, match="drafts chains only"):
-        parse_speculation({"method": "ngram", "num_speculative_tokens": 4, "draft_tree": {"top_k": 2}})
+        parse_speculation({"method": "draft", "num_speculative_tokens": 4, "draft_tree": {"top_k": 2}})
 
 
 # ------------------------------------------------------------------- the embedded family (a trained head)
@@ -184,3 +184,15 @@ def test_ngram_tree_siblings_are_earlier_matches_and_greedy_equals_plain(tiny_mo
     for out in (outs[0], outs[2]):
         assert out.spec_stats.num_tree_steps > 0 and out.spec_stats.num_accepted_tokens > 0
     assert_no_leaks(engine)
+
+
+def test_a_tree_request_over_http_reports_its_tree(http):
+    from conftest import SERVED_NAME
+    body = {"model": SERVED_NAME, "prompt": "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,", "max_tokens": 12,
+            "temperature": 0, "speculation": {"method": "ngram", "num_speculative_tokens": 6,
+                                              "draft_tree": {"top_k": 2, "depth": 3}}}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    spec = r.json()["speculation"]
+    assert spec["draft_tree"]["top_k"] == 2 and spec["draft_tree"]["depth"] == 3
+    assert spec["draft_tree"]["num_tree_steps"] == spec["num_drafts"]
