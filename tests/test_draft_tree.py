@@ -196,3 +196,26 @@ def test_a_tree_request_over_http_reports_its_tree(http):
     spec = r.json()["speculation"]
     assert spec["draft_tree"]["top_k"] == 2 and spec["draft_tree"]["depth"] == 3
     assert spec["draft_tree"]["num_tree_steps"] == spec["num_drafts"]
+
+
+def test_grammar_masks_each_tree_row_after_its_own_path(embedded):
+    """A JSON-schema constraint: each tree row is masked after that node's path, so greedy and seeded tree
+    output equal plain constrained decoding, and the text is valid (masking every row with the root's mask,
+    a planted bug, breaks the equality)."""
+    import json
+
+    from specserve.sampling.params import StructuredSpec
+    eng, prompts = embedded
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"],
+              "additionalProperties": False}
+    spec_json = StructuredSpec("json", json.dumps(schema))
+    for params in (SamplingParams(temperature=0.0, max_tokens=48, structured=spec_json),
+                   SamplingParams(temperature=0.8, seed=3, max_tokens=48, structured=spec_json)):
+        refs = eng.generate(prompts, params)
+        outs = eng.generate(prompts, params, tree(8, 3, 4))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+        assert all(o.spec_stats.num_tree_steps > 0 for o in outs)
+        for o in outs:
+            if o.finish_reason == "stop":
+                assert set(json.loads(o.text)) == {"name", "age"}
