@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from specserve.speculators.base import DraftProposal, DraftTree, SpecRequest, Speculator
 from specserve.speculators.ngram_match import TokenBuffer, longest_match, match_starts
-from specserve.speculators.tree_shape import as_tree
+from specserve.speculators.tree_shape import as_tree, merge_paths
 
 DEFAULT_MIN = 1
 DEFAULT_MAX = 4
@@ -29,31 +29,16 @@ def lookup_bounds(options: dict, default_min: int = DEFAULT_MIN) -> tuple[int, i
 
 def match_tree(ctx, lo: int, hi: int, k: int, tree: DraftTree) -> tuple[list[int], list[int]]:
     """A draft tree of up to k nodes from the continuations of the latest `tree.top_k` occurrences of the
-    longest match (distinct continuations, latest first), each up to `tree.depth` tokens, merged where
-    they share a prefix; nodes in depth order (parents first). Example: continuations [7, 8] and [7, 9]
-    -> tokens [7, 8, 9], parents [-1, 0, 0]."""
-    starts = match_starts(ctx[:-1], ctx, lo, hi)[::-1]      # latest first (the chain's preference)
-    children: dict[tuple[int, int], int] = {}              # (parent node, token) -> node
-    depth_of: list[int] = []
-    tokens: list[int] = []
-    parents: list[int] = []
-    used = 0
-    for start in starts:
-        if used == tree.top_k:
-            break
-        node, new = -1, False
-        for tok in ctx[start:start + tree.depth].tolist():
-            if (node, tok) not in children:
-                children[(node, tok)] = len(tokens)
-                tokens.append(tok)
-                parents.append(node)
-                depth_of.append(0 if node < 0 else depth_of[node] + 1)
-                new = True
-            node = children[(node, tok)]
-        used += new
-    order = sorted(range(len(tokens)), key=lambda j: (depth_of[j], j))[:k]
-    where = {j: i for i, j in enumerate(order)}
-    return [tokens[j] for j in order], [-1 if parents[j] < 0 else where[parents[j]] for j in order]
+    longest match with distinct continuations (latest first), each up to `tree.depth` tokens, merged where
+    they share a prefix (tree_shape.merge_paths)."""
+    paths: list[list[int]] = []
+    for start in match_starts(ctx[:-1], ctx, lo, hi)[::-1]:      # latest first (the chain's preference)
+        path = ctx[start:start + tree.depth].tolist()
+        if path and path not in paths:
+            paths.append(path)
+            if len(paths) == tree.top_k:
+                break
+    return merge_paths(paths, k)
 
 
 class NgramSpeculator(Speculator):

@@ -163,7 +163,7 @@ def _sample(text: str, name: str, shape: str | None = None) -> float | None:
 
 
 
-def test_ngram_tree_siblings_are_earlier_matches_and_greedy_equals_plain(tiny_model_dir):
+def test_lookup_trees_siblings_are_earlier_matches_and_greedy_equals_plain(tiny_model_dir):
     import numpy as np
 
     from specserve.speculators.ngram import match_tree
@@ -178,10 +178,10 @@ def test_ngram_tree_siblings_are_earlier_matches_and_greedy_equals_plain(tiny_mo
     params = SamplingParams(**GREEDY, max_tokens=40)
     refs = [o.token_ids for o in engine.generate(prompts, params)]
     specs = [SpecParams("ngram", 8, draft_tree=DraftTree(3, 4)), SpecParams("ngram", 4),
-             SpecParams("ngram", 6, draft_tree=DraftTree(2, 6))]
-    outs = engine.generate(prompts, params, specs)
-    assert [o.token_ids for o in outs] == refs
-    for out in (outs[0], outs[2]):
+             SpecParams("ngram", 6, draft_tree=DraftTree(2, 6)), SpecParams("suffix", 6, draft_tree=DraftTree(2, 4))]
+    outs = engine.generate([prompts[i % 3] for i in range(4)], params, specs)
+    assert [o.token_ids for o in outs] == [refs[i % 3] for i in range(4)]
+    for out in (outs[0], outs[2], outs[3]):
         assert out.spec_stats.num_tree_steps > 0 and out.spec_stats.num_accepted_tokens > 0
     assert_no_leaks(engine)
 
