@@ -11,7 +11,7 @@ from typing import Any
 
 from specserve.speculators import registry
 from specserve.speculators.base import DraftTree, SpecParams
-from specserve.speculators.tree_shape import TREE_METHODS, check_tree
+from specserve.speculators.tree_shape import TREE_MAX_NODES, TREE_METHODS, check_tree
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATION_POLICIES = ("goodput", "fixed")
@@ -90,7 +90,8 @@ class EngineConfig:
             raise ValueError(f"suffix_scope must be one of {SUFFIX_SCOPES}, got {self.suffix_scope!r}")
         if self.draft_tree_top_k > 1:
             try:
-                check_tree(DraftTree(self.draft_tree_top_k, self.draft_tree_depth), self.max_speculative_tokens)
+                check_tree(DraftTree(self.draft_tree_top_k, self.draft_tree_depth),
+                           max(self.draft_tree_depth, min(self.max_speculative_tokens, TREE_MAX_NODES)))
             except ValueError as exc:
                 raise ValueError(f"draft_tree_top_k / draft_tree_depth: {exc}") from None
         elif not 1 <= self.draft_tree_top_k or not 1 <= self.draft_tree_depth <= 16:
@@ -128,8 +129,8 @@ class EngineConfig:
     def with_default_tree(self, spec: SpecParams) -> SpecParams:
         """spec with the server's default draft tree when it names none and its method drafts trees."""
         if (spec.draft_tree is not None or self.draft_tree_top_k <= 1 or spec.method not in TREE_METHODS
-                or not 1 <= spec.num_speculative_tokens):
-            return spec
+                or not 1 <= spec.num_speculative_tokens <= TREE_MAX_NODES):
+            return spec         # a k beyond what a tree verifies keeps its chain
         tree = DraftTree(self.draft_tree_top_k, min(self.draft_tree_depth, spec.num_speculative_tokens))
         check_tree(tree, spec.num_speculative_tokens, spec.method)
         return dataclasses.replace(spec, draft_tree=tree)

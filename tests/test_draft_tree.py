@@ -219,3 +219,23 @@ def test_grammar_masks_each_tree_row_after_its_own_path(embedded):
         for o in outs:
             if o.finish_reason == "stop":
                 assert set(json.loads(o.text)) == {"name", "age"}
+
+
+def test_server_default_tree_flags():
+    from specserve.server.cli import build_parser, configs_from_args
+    from specserve.server.config import EngineConfig
+    cfg = EngineConfig(draft_tree_top_k=3, draft_tree_depth=4)
+    cfg.validate()
+    assert cfg.with_default_tree(SpecParams("eagle3", 8)).draft_tree == DraftTree(3, 4)
+    assert cfg.with_default_tree(SpecParams("eagle3", 2)).draft_tree == DraftTree(3, 2)   # depth <= k
+    assert cfg.with_default_tree(SpecParams("mtp", 8)).draft_tree is None                # chains only
+    explicit = SpecParams("eagle3", 8, draft_tree=DraftTree(1, 8))                          # asked for the chain
+    assert cfg.with_default_tree(explicit) is explicit
+    assert EngineConfig().with_default_tree(SpecParams("eagle3", 8)).draft_tree is None    # default: chains
+    for argv in (["--draft-tree-top-k", "99"], ["--draft-tree-top-k", "2", "--draft-tree-depth", "0"],
+                 ["--draft-tree-top-k", "2", "--max-speculative-tokens", "32", "--draft-tree-depth", "20"]):
+        with pytest.raises(ValueError, match="draft_tree"):
+            configs_from_args(build_parser().parse_args(["serve", *argv]))
+    wide = EngineConfig(draft_tree_top_k=2, draft_tree_depth=4, max_speculative_tokens=32)
+    wide.validate()
+    assert wide.with_default_tree(SpecParams("eagle3", 20)).draft_tree is None            # k > 15: the chain
