@@ -88,6 +88,9 @@ class EngineConfig:
             raise ValueError(f"suffix_cache_tokens must be in [0, 2^30], got {self.suffix_cache_tokens}")
         if self.suffix_scope not in SUFFIX_SCOPES:
             raise ValueError(f"suffix_scope must be one of {SUFFIX_SCOPES}, got {self.suffix_scope!r}")
+        if self.draft_tree_top_k > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("--draft-tree-top-k > 1 does not support --tensor-parallel-size > 1 (draft trees "
+                             "are verified on unsharded targets); start without one of them")
         if self.draft_tree_top_k > 1:
             try:
                 check_tree(DraftTree(self.draft_tree_top_k, self.draft_tree_depth),

@@ -239,3 +239,15 @@ def test_server_default_tree_flags():
     wide = EngineConfig(draft_tree_top_k=2, draft_tree_depth=4, max_speculative_tokens=32)
     wide.validate()
     assert wide.with_default_tree(SpecParams("eagle3", 20)).draft_tree is None            # k > 15: the chain
+
+
+def test_sharded_targets_refuse_trees():
+    from specserve.server.config import EngineConfig
+    from specserve.server.engine.spec_dispatch import SpecDispatcher
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        EngineConfig(draft_tree_top_k=2, tensor_parallel_size=2).validate()
+    spec = SpecDispatcher({})
+    spec.trees_allowed = False
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        spec.validate(SpecParams("none", 0, draft_tree=DraftTree(2, 2)))
+    spec.validate(SpecParams("none", 0, draft_tree=DraftTree(1, 2)))      # the chain is fine

@@ -90,6 +90,8 @@ class Engine:
         if request_id in self.live:
             raise ValueError(f"duplicate request id {request_id}")
         self.validate(prompt_token_ids, params)
+        if spec.draft_tree is not None and spec.draft_tree.top_k > 1 and not self.spec.trees_allowed:
+            raise ValueError("draft trees are not available with --tensor-parallel-size > 1")
         req = Request(request_id, list(prompt_token_ids), params, spec,
                       prediction_token_ids=prediction_token_ids, needs_prompt_logprobs=prompt_logprobs)
         if params.structured is not None:

@@ -51,6 +51,7 @@ class SpecDispatcher:
         # per seq of the last propose: a draft tree's parents (speculators/draft_tree.py), or None (a chain)
         self.tree_parents: list[list[int] | None] = []
         self._tree_ids: set[str] = set()              # requests that verify a draft tree this step
+        self.trees_allowed = True                     # False: a sharded target (builder.py)
 
     @property
     def learner(self) -> GoodputPolicy:
@@ -64,6 +65,8 @@ class SpecDispatcher:
     def validate(self, spec) -> None:
         """Reject method options the chosen speculator does not understand (ValueError -> HTTP 400)."""
         validate_spec(spec, lambda method: self.speculators[method].validate)
+        if spec.draft_tree is not None and spec.draft_tree.top_k > 1 and not self.trees_allowed:
+            raise ValueError("draft trees are not available with --tensor-parallel-size > 1")
 
     def propose(self, seqs: list[ScheduledSeq], stats: StepStats
                 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
