@@ -9,7 +9,7 @@ PORT ?= 8000
 ARGS ?=
 SPECULATORS_PIN := speculators==0.9.0
 
-.PHONY: venv system-deps serve test test-structured-soak test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report bench-coupled bench-structured bench-auto bench-tp bench-metrics gpu-check lint clean
+.PHONY: venv system-deps serve test test-structured-soak test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report bench-coupled bench-structured bench-auto bench-tp bench-metrics bench-tree gpu-check lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,10 @@ test-structured-soak: venv
 
 bench-decode: venv
 	$(BIN)/python -m loadtest.bench_decode $(ARGS)
+
+# eagle3 draft trees vs the chain at equal verified tokens, interleaved (docs/benchmarks.md)
+bench-tree: venv
+	$(BIN)/python -m loadtest.bench_tree $(ARGS)
 
 bench-spec: venv
 	$(BIN)/python -m loadtest.bench_spec $(ARGS)

@@ -105,6 +105,13 @@ def _speculation_flags(p: argparse.ArgumentParser) -> None:
                         "tokens/s given the request's acceptance so far and the batch's measured step cost "
                         "(never for seeded sampled requests; a request opts out with \"adaptive\": false; "
                         "every cut is counted). fixed: always draft the k asked for (default: %(default)s)")
+    g.add_argument("--draft-tree-top-k", type=int, default=e.draft_tree_top_k, metavar="K",
+                   help="default draft tree branching for tree-drafting methods (eagle3) when a request "
+                        "names no draft_tree: each depth keeps the K best nodes; 1 = chains "
+                        "(default: %(default)s)")
+    g.add_argument("--draft-tree-depth", type=int, default=e.draft_tree_depth, metavar="D",
+                   help="default draft tree depth (expansions), capped at the request's "
+                        "num_speculative_tokens (default: %(default)s)")
     g.add_argument("--suffix-cache-tokens", type=int, default=e.suffix_cache_tokens, metavar="N",
                    help="token budget of the suffix method's cache of earlier requests' texts, oldest "
                         "evicted first, about 90 bytes per token; 0 = no cross-request cache "

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specserve.speculators import registry
-from specserve.speculators.base import SpecParams
+from specserve.speculators.base import DraftTree, SpecParams
+from specserve.speculators.tree_shape import TREE_MAX_NODES, TREE_METHODS, check_tree
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATION_POLICIES = ("goodput", "fixed")
@@ -36,6 +37,9 @@ class EngineConfig:
     # (registry.default_speculation: hybrid when a model drafter is loaded, else ngram; k = 4)
     speculation: SpecParams | None = None
     speculation_policy: str = "goodput"    # goodput = draft only the positions that raise tokens/s; fixed = all k
+    # the draft tree of requests (of a tree-drafting method) that name none: top_k 1 = chains
+    draft_tree_top_k: int = 1
+    draft_tree_depth: int = 4
     draft_model: str | None = None
     eagle3: str | None = None
     # the suffix method's cross-request cache: its token budget (oldest evicted first; ~90 B per token)
@@ -84,6 +88,17 @@ class EngineConfig:
             raise ValueError(f"suffix_cache_tokens must be in [0, 2^30], got {self.suffix_cache_tokens}")
         if self.suffix_scope not in SUFFIX_SCOPES:
             raise ValueError(f"suffix_scope must be one of {SUFFIX_SCOPES}, got {self.suffix_scope!r}")
+        if self.draft_tree_top_k > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("--draft-tree-top-k > 1 does not support --tensor-parallel-size > 1 (draft trees "
+                             "are verified on unsharded targets); start without one of them")
+        if self.draft_tree_top_k > 1:
+            try:
+                check_tree(DraftTree(self.draft_tree_top_k, self.draft_tree_depth),
+                           max(self.draft_tree_depth, min(self.max_speculative_tokens, TREE_MAX_NODES)))
+            except ValueError as exc:
+                raise ValueError(f"draft_tree_top_k / draft_tree_depth: {exc}") from None
+        elif not 1 <= self.draft_tree_top_k or not 1 <= self.draft_tree_depth <= 16:
+            raise ValueError("draft_tree_top_k must be >= 1 and draft_tree_depth in [1, 16]")
         if self.speculation is not None:
             self._validate_default_speculation(self.speculation)
         if not 64 <= self.max_grammar_bytes <= 16 * 2**20:
@@ -103,14 +118,25 @@ class EngineConfig:
                              f"{self.max_speculative_tokens}], got {spec.num_speculative_tokens}")
         try:  # the method's own options check, before any model loads (builder checks it is loaded)
             registry.validator(spec.method)(spec.options)
+            if spec.draft_tree is not None:
+                check_tree(spec.draft_tree, spec.num_speculative_tokens, spec.method)
         except ValueError as exc:
             raise ValueError(f"speculation: {exc}") from None
 
     def default_speculation(self, loaded: list[str]) -> SpecParams:
         """The default a request without `speculation` gets, given the methods the engine loaded."""
         if self.speculation is not None:
-            return self.speculation
-        return registry.default_speculation(loaded, self.max_speculative_tokens)
+            return self.with_default_tree(self.speculation)
+        return self.with_default_tree(registry.default_speculation(loaded, self.max_speculative_tokens))
+
+    def with_default_tree(self, spec: SpecParams) -> SpecParams:
+        """spec with the server's default draft tree when it names none and its method drafts trees."""
+        if (spec.draft_tree is not None or self.draft_tree_top_k <= 1 or spec.method not in TREE_METHODS
+                or not 1 <= spec.num_speculative_tokens <= TREE_MAX_NODES):
+            return spec         # a k beyond what a tree verifies keeps its chain
+        tree = DraftTree(self.draft_tree_top_k, min(self.draft_tree_depth, spec.num_speculative_tokens))
+        check_tree(tree, spec.num_speculative_tokens, spec.method)
+        return dataclasses.replace(spec, draft_tree=tree)
 
 
 @dataclass
@@ -148,7 +174,26 @@ def parse_speculation(text: str | dict[str, Any] | None) -> SpecParams:
     adaptive = data.pop("adaptive", True)
     if not isinstance(adaptive, bool):
         raise ValueError("speculation.adaptive must be true or false")
-    return SpecParams(method=method, num_speculative_tokens=k, options=data, adaptive=adaptive)
+    tree = parse_draft_tree(data.pop("draft_tree", None), k, method)
+    return SpecParams(method=method, num_speculative_tokens=k, options=data, adaptive=adaptive, draft_tree=tree)
+
+
+def parse_draft_tree(value: Any, k: int, method: str) -> DraftTree | None:
+    """`{"top_k": K, "depth": D}` -> DraftTree (checked: speculators/draft_tree.check_tree); None when absent.
+
+    Example: {"top_k": 4, "depth": 3} with k = 8 -> DraftTree(4, 3); {"top_k": 1} -> DraftTree(1, k) (the chain).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"top_k", "depth"} or "top_k" not in value:
+        raise ValueError('speculation.draft_tree must be an object {"top_k": K, "depth": D} (depth optional)')
+    top_k, depth = value["top_k"], value.get("depth", k)
+    for name, v in (("top_k", top_k), ("depth", depth)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(f"speculation.draft_tree.{name} must be an integer")
+    tree = DraftTree(top_k, depth)
+    check_tree(tree, k, method)
+    return tree
 
 
 def config_fields(cls: type) -> list[str]:

@@ -70,6 +70,8 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                          0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32, 48, 65)
+ACCEPTED_DEPTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
+DRAFT_SHAPES = ("chain", "tree")     # the `draft` label of spec_decode_accepted_depth
 HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 # Finish reasons the engine reports (server/engine/scheduler.py, engine.py); pre-created at 0.
 FINISH_REASONS = ("stop", "length", "abort")
@@ -77,8 +79,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 class _SpecChildren:
     """The labelled children of one (model, method): resolved once, reused every step."""
-    __slots__ = ("_labels", "_per_pos_metric", "accepted", "draft_tokens", "drafts", "grammar_rejected",
-                 "per_pos", "tokens_per_step")
+    __slots__ = ("_labels", "_per_pos_metric", "accepted", "depth", "draft_tokens", "drafts", "grammar_rejected",
+                 "per_pos", "tokens_per_step", "tree_nodes")
 
     def __init__(self, m: Metrics, model_name: str, method: str) -> None:
         self._labels = (model_name, method)
@@ -87,6 +89,8 @@ class _SpecChildren:
         self.accepted = m.spec_accepted.labels(model_name, method)
         self.tokens_per_step = m.spec_tokens_per_step.labels(model_name, method)
         self.grammar_rejected = m.spec_grammar_rejected.labels(model_name, method)
+        self.depth = {shape: m.spec_accepted_depth.labels(model_name, method, shape) for shape in DRAFT_SHAPES}
+        self.tree_nodes = m.spec_tree_nodes.labels(model_name, method)
         self._per_pos_metric = m.spec_accepted_per_pos
         self.per_pos: list[Any] = []
 
@@ -194,6 +198,11 @@ class Metrics:
         self.spec_tokens_per_step = self._histogram(
             "spec_decode_tokens_per_step", "Tokens emitted per verification step (accepted + 1).",
             TOKENS_PER_STEP_BUCKETS, m)
+        self.spec_accepted_depth = self._histogram(
+            "spec_decode_accepted_depth",
+            "Drafts accepted per verification step: the accepted path's depth, by draft shape (chain or tree).",
+            ACCEPTED_DEPTH_BUCKETS, ("method", "draft"))
+        self.spec_tree_nodes = self._counter("spec_decode_num_tree_nodes", "Draft-tree nodes verified.", m)
         self.spec_grammar_rejected = self._counter(
             "spec_decode_grammar_rejected",
             "Verification steps where a structured-output grammar forbade a draft (rejected at that position).", m)
@@ -305,6 +314,9 @@ class Metrics:
             c.position(pos).inc(count)
         for tokens in spec.tokens_per_step:
             c.tokens_per_step.observe(tokens)
+        for shape, depth in spec.accepted_depths:
+            c.depth[shape].observe(depth)
+        c.tree_nodes.inc(spec.num_tree_nodes)
 
     def on_finished(self, t: RequestTimings) -> None:
         self._on_finished(self._children(), t)

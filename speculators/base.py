@@ -11,6 +11,15 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class DraftTree:
+    """A request's draft tree shape (speculators/draft_tree.py): each of `depth` expansions keeps the
+    `top_k` best nodes by cumulative draft log-probability; num_speculative_tokens of all candidates are
+    verified. top_k == 1 is the chain (SpecParams.draft_tree is then None: the same code path)."""
+    top_k: int
+    depth: int
+
+
+@dataclass(frozen=True)
 class SpecParams:
     """One request's speculation choice. method 'none' or k == 0 is plain decoding (same code path)."""
     method: str = "none"
@@ -20,6 +29,7 @@ class SpecParams:
     # who may share cross-request draft caches with this request (the suffix method): set at the HTTP edge
     # from the API key and the OpenAI `user` field; None: nobody (speculators/suffix.py, SECURITY.md)
     cache_scope: str | None = None
+    draft_tree: DraftTree | None = None   # None: one chain of k drafts
 
     @property
     def k(self) -> int:
@@ -48,6 +58,7 @@ CUT_REASONS: dict[str, str] = {
     "drafter_cache_full": "no drafts: the drafter's KV cache was full",
     "prefix_unseen": "the drafter had no KV room for the cached prompt prefix and drafted without it",
     "prediction_ignored": "the request's prediction was not used",
+    "tree_as_chain": "the draft tree was drafted as a chain (the drafter could not build it this step)",
 }
 
 
@@ -65,6 +76,12 @@ class SpecStats:
     # counts go to spec_decode_refused_total
     cuts: dict[str, int] = field(default_factory=dict)
     grammar_rejected: int = 0      # steps where the request's grammar forbade one of its drafts (rejected there)
+    # draft trees: {"top_k", "depth"} of the request's tree (None: chains); accepted_depth_steps[d] counts
+    # the tree steps whose accepted path was d nodes deep
+    draft_tree: dict[str, int] | None = None
+    num_tree_steps: int = 0
+    num_tree_nodes: int = 0        # tree nodes verified, over all tree steps
+    accepted_depth_steps: list[int] = field(default_factory=list)
 
     # auto: method -> [steps chosen, draft tokens, accepted tokens, attempted positions]
     # ("none": the steps it chose plain decoding)
@@ -94,6 +111,13 @@ class SpecStats:
         self.num_attempted_positions += attempted_positions(num_draft, num_accepted)
         count_accepted_positions(self.accepted_per_pos, num_draft, num_accepted)
 
+    def record_tree(self, num_nodes: int, depth: int) -> None:
+        self.num_tree_steps += 1
+        self.num_tree_nodes += num_nodes
+        if len(self.accepted_depth_steps) <= depth:
+            self.accepted_depth_steps.extend([0] * (depth + 1 - len(self.accepted_depth_steps)))
+        self.accepted_depth_steps[depth] += 1
+
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
@@ -103,6 +127,9 @@ class SpecStats:
 class DraftProposal:
     token_ids: list[list[int]]                   # per request, k_i draft ids (k_i may be < asked, even 0)
     draft_probs: list[torch.Tensor | None]     # per request, [k_i, vocab] or None (deterministic drafts)
+    # per request, None (a chain) or a draft tree: parents[j] is node j's parent node (-1: the last known
+    # token), parents[j] < j; token_ids[i][j] is node j's token (speculators/draft_tree.py)
+    parents: list[list[int] | None] | None = None
 
 
 @dataclass
@@ -199,6 +226,8 @@ class Speculator:
     # seconds of the last propose spent reading what the drafter had not seen yet (a draft model's first
     # look at a prompt, a resting head's catch-up): not the price of a draft step (server/engine/spec_policy.py)
     last_catch_up_s: float = 0.0
+    # True: propose() builds draft trees for requests whose SpecParams.draft_tree is set
+    drafts_trees: bool = False
 
     @classmethod
     def build(cls, ctx: BuildContext) -> Speculator | None:

@@ -22,6 +22,7 @@ class HeadSpeculator(Speculator):
         self.head = head
         self.drafter = HiddenStateDrafter(head, cache, stash_states)
         self.records_states = stash_states                  # record() must see every target forward
+        self.drafts_trees = head.num_layers == 1            # one-layer heads build draft trees
 
     @staticmethod
     def head_kv_bytes(ctx: BuildContext, num_layers: int) -> int:

@@ -48,9 +48,10 @@ from typing import Protocol
 import torch
 
 from specserve.server.models.attention import AttentionMetadata
-from specserve.speculators.base import DraftProposal, VerifiedStep
+from specserve.speculators.base import DraftProposal, DraftTree, VerifiedStep
 from specserve.speculators.draft_kv import DraftKVCache, DraftSeq, KVCache
 from specserve.speculators.draft_sampling import append_drafts
+from specserve.speculators.draft_tree import HeadTreeBuilder, as_tree
 from specserve.speculators.state_stash import TargetStateStash
 
 
@@ -130,6 +131,7 @@ class HiddenStateDrafter:
         # "drafter_cache_full": a step drafted nothing for want of KV room; "prefix_unseen": the head had
         # no room for a cached prompt prefix and drafts from the positions after it
         self.refusals: collections.Counter[str] = collections.Counter()
+        self.trees = HeadTreeBuilder(self)
 
     # -- record: every forward's rows into the stash ---------------------------------------------------
     @torch.inference_mode()
@@ -239,17 +241,28 @@ class HiddenStateDrafter:
         self.catch_up(asked)
         self.last_catch_up_s = time.perf_counter() - start
         live: list[_Live] = []
+        grown: list[_Live] = []          # draft-tree requests (speculators/draft_tree.py)
         for i, (req, k) in enumerate(zip(requests, ks)):
             seq = self._seqs.get(req.request_id)
             n_tok = req.num_tokens
             if k <= 0:
                 continue
+            tree = self._tree_of(req)
+            end = self.trees.kv_end(n_tok, tree) if tree is not None else n_tok - 1 + max(0, k - self.n)
             if (seq is None or seq.ends[0] != n_tok - 1 or seq.carry[0].shape[0] == 0
-                    or not self.cache.reserve(seq.kv, n_tok - 1 + max(0, k - self.n))):
+                    or not self.cache.reserve(seq.kv, end)):
                 self.refusals["drafter_cache_full"] += 1   # out of sync only after a cache-full release
                 req.spec_stats.cut("drafter_cache_full")
                 continue
-            live.append(_Live(i, req, seq, k))
+            (grown if tree is not None else live).append(_Live(i, req, seq, k))
+        parents: list[list[int] | None] = [None for _ in requests]
+        if grown:
+            t0 = time.perf_counter()
+            for item, (tokens, tree_parents) in zip(grown, self.trees.build(grown)):
+                item.tokens, parents[item.index] = tokens, tree_parents
+            self.trees.build_seconds += time.perf_counter() - t0
+            self.trees.num_built += len(grown)
+            self.trees.num_calls += 1
         if live:
             first = torch.cat([item.seq.carry[0][-1:] for item in live])             # [a, H] = g^0_{N-2}
             self._sample(live, self.head.logits(0, first))
@@ -264,7 +277,19 @@ class HiddenStateDrafter:
         for item in live:
             token_ids[item.index] = item.tokens
             probs[item.index] = torch.stack(item.probs) if item.probs else None      # [k_i, vocab]
-        return DraftProposal(token_ids, probs)
+        for item in grown:
+            token_ids[item.index] = item.tokens      # deterministic children: no draft distribution
+        return DraftProposal(token_ids, probs, parents)
+
+    def _tree_of(self, req) -> DraftTree | None:
+        """The request's draft tree, or None for a chain. A head of several layers (MTP) drafts chains:
+        the step says so (cut "tree_as_chain")."""
+        tree = as_tree(req.spec_params.draft_tree)
+        if tree is not None and self.n > 1:
+            req.spec_stats.cut("tree_as_chain")
+            self.refusals["tree_as_chain"] += 1
+            return None
+        return tree
 
     def _step(self, s: int, items: list[_Live]) -> None:
         m = min(s, self.n - 1)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specserve.speculators.base import DraftProposal, SpecRequest, Speculator
-from specserve.speculators.ngram_match import TokenBuffer, longest_match
+from specserve.speculators.base import DraftProposal, DraftTree, SpecRequest, Speculator
+from specserve.speculators.ngram_match import TokenBuffer, longest_match, match_starts
+from specserve.speculators.tree_shape import as_tree, merge_paths
 
 DEFAULT_MIN = 1
 DEFAULT_MAX = 4
@@ -26,8 +27,23 @@ def lookup_bounds(options: dict, default_min: int = DEFAULT_MIN) -> tuple[int, i
     return lo, hi
 
 
+def match_tree(ctx, lo: int, hi: int, k: int, tree: DraftTree) -> tuple[list[int], list[int]]:
+    """A draft tree of up to k nodes from the continuations of the latest `tree.top_k` occurrences of the
+    longest match with distinct continuations (latest first), each up to `tree.depth` tokens, merged where
+    they share a prefix (tree_shape.merge_paths)."""
+    paths: list[list[int]] = []
+    for start in match_starts(ctx[:-1], ctx, lo, hi)[::-1]:      # latest first (the chain's preference)
+        path = ctx[start:start + tree.depth].tolist()
+        if path and path not in paths:
+            paths.append(path)
+            if len(paths) == tree.top_k:
+                break
+    return merge_paths(paths, k)
+
+
 class NgramSpeculator(Speculator):
     name = "ngram"
+    drafts_trees = True                                  # several earlier matches become siblings
 
     def __init__(self, default_min: int = DEFAULT_MIN) -> None:
         self.default_min = default_min           # shortest match that counts when a request does not say
@@ -43,13 +59,21 @@ class NgramSpeculator(Speculator):
 
     def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
         drafts: list[list[int]] = []
+        parents: list[list[int] | None] = []
         for req, k in zip(requests, ks):
             ctx = self._context(req)                         # [L]
             lo, hi = lookup_bounds(req.spec_params.options, self.default_min)
+            tree = as_tree(req.spec_params.draft_tree)
+            if tree is not None:
+                tokens, tree_parents = match_tree(ctx, lo, hi, k, tree)
+                drafts.append(tokens)
+                parents.append(tree_parents if tokens else None)
+                continue
             # search everything but the last token, so the suffix cannot match itself
             start = longest_match(ctx[:-1], ctx, lo, hi, want=k)
             drafts.append(ctx[start:start + k].tolist() if start >= 0 else [])
-        return DraftProposal(drafts, [None] * len(drafts))
+            parents.append(None)
+        return DraftProposal(drafts, [None] * len(drafts), parents)
 
     def _context(self, req):
         buf = self._buffers.get(req.request_id)

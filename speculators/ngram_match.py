@@ -20,12 +20,22 @@ def longest_match(source: np.ndarray, tail: np.ndarray, min_n: int, max_n: int, 
     Among occurrences of the longest match, prefer the latest one with >= `want` tokens after it
     (recent context predicts best), else the latest one.
     """
-    if len(tail) == 0 or len(source) == 0 or max_n < 1:
+    starts = match_starts(source, tail, min_n, max_n)
+    if len(starts) == 0:
         return -1
+    roomy = starts[starts + want <= len(source)]
+    return int(roomy[-1] if len(roomy) else starts[-1])
+
+
+def match_starts(source: np.ndarray, tail: np.ndarray, min_n: int, max_n: int) -> np.ndarray:
+    """[C] int64 ascending: the continuation start after every occurrence of the longest match (empty: none)."""
+    none = np.empty(0, dtype=np.int64)
+    if len(tail) == 0 or len(source) == 0 or max_n < 1:
+        return none
     max_n = min(max_n, len(tail))
     cand = np.flatnonzero(source == tail[-1])          # [C] end positions of length-1 matches
     if len(cand) == 0:
-        return -1
+        return none
     n = 1
     while n < max_n:
         prev = cand - n
@@ -36,10 +46,8 @@ def longest_match(source: np.ndarray, tail: np.ndarray, min_n: int, max_n: int, 
         cand = cand[ok]
         n += 1
     if n < min_n:
-        return -1
-    starts = cand + 1                                   # continuation starts
-    roomy = starts[starts + want <= len(source)]
-    return int(roomy[-1] if len(roomy) else starts[-1])
+        return none
+    return cand + 1                                     # continuation starts
 
 
 class TokenBuffer:

@@ -29,6 +29,7 @@ import numpy as np
 
 from specserve.speculators.base import BuildContext, DraftProposal, SpecRequest, Speculator
 from specserve.speculators.suffix_index import MAX_MATCH, SEPARATOR, SuffixIndex
+from specserve.speculators.tree_shape import as_tree, merge_paths
 
 SCOPES = ("request", "user", "global")
 MIN_TOKEN_PROB = 0.1
@@ -51,6 +52,7 @@ def suffix_options(options: dict) -> tuple[float, float]:
 
 
 class SuffixSpeculator(Speculator):
+    drafts_trees = True      # the request's own and the shared cache's continuations become siblings
     name = "suffix"
 
     def __init__(self, cache_tokens: int = 1_000_000, scope: str = "user") -> None:
@@ -82,18 +84,35 @@ class SuffixSpeculator(Speculator):
         return self._scope_ids.setdefault(key, len(self._scope_ids) + 1)
 
     def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
-        drafts = [self.draft(req, k)[0] for req, k in zip(requests, ks)]
-        return DraftProposal(drafts, [None] * len(drafts))
+        drafts: list[list[int]] = []
+        parents: list[list[int] | None] = []
+        for req, k in zip(requests, ks):
+            tree = as_tree(req.spec_params.draft_tree)
+            if tree is None:
+                drafts.append(self.draft(req, k)[0])
+                parents.append(None)
+                continue
+            # a tree: the request's own and the shared cache's continuations become siblings (best first)
+            found = sorted((c for c in self.candidates(req, tree.depth) if c[1] > 0), key=lambda c: -c[1])[:tree.top_k]
+            tokens, tree_parents = merge_paths([c[0] for c in found if c[0]], k)
+            drafts.append(tokens)
+            parents.append(tree_parents if tokens else None)
+        return DraftProposal(drafts, [None] * len(drafts), parents)
 
     def draft(self, req: SpecRequest, k: int) -> tuple[list[int], float]:
         """Up to k ids and their expected accepted length under the matched frequencies."""
+        return max((c for c in self.candidates(req, k) if c[1] > 0), key=lambda c: c[1], default=([], 0.0))
+
+    def candidates(self, req: SpecRequest, k: int) -> list[tuple[list[int], float]]:
+        """Per index that matches (the request's own, then the shared cache): up to k ids and their expected
+        accepted length."""
         if k <= 0:
-            return [], 0.0
+            return []
         local = self._context(req)
         m = min(MAX_MATCH, local.end)
         tail = local.tokens[np.arange(local.end - m, local.end) % local.capacity].astype(np.int64)   # [m]
         min_prob, factor = suffix_options(req.spec_params.options)
-        best: tuple[list[int], float] = ([], 0.0)
+        out: list[tuple[list[int], float]] = []
         sid = self.scope_id(req)
         for index, scope in ((local, 0), (self.shared, sid)):
             if index is None or scope is None or (index is self.shared and scope not in self._scope_written):
@@ -102,10 +121,8 @@ class SuffixSpeculator(Speculator):
             if found is None:
                 continue
             cap = min(k, max(1, int(factor * found.length)))
-            draft, expected = index.continuation(found, cap, min_prob)
-            if expected > best[1]:
-                best = (draft, expected)
-        return best
+            out.append(index.continuation(found, cap, min_prob))
+        return out
 
     def _context(self, req: SpecRequest) -> SuffixIndex:
         index = self._local.get(req.request_id)

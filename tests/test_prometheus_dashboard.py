@@ -40,7 +40,8 @@ INSTALL_HINT = ("Debian's `prometheus` package (prometheus + promtool) is needed
 # Panel names the dashboard must show (case-insensitive substrings of panel titles).
 REQUIRED_PANELS = ("acceptance rate by method", "mean acceptance length by method", "per-position acceptance",
                    "draft / accepted / rejected tokens", "tokens per verification step", "time to first token",
-                   "inter-token latency", "throughput", "queue depth", "kv cache usage", "error rate")
+                   "inter-token latency", "throughput", "queue depth", "kv cache usage", "error rate",
+                   "accepted depth by method")
 
 
 # ---- static checks --------------------------------------------------------------------------------

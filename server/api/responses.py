@@ -45,6 +45,15 @@ class SpeculationMethodUse(BaseModel):
     num_accepted_tokens: int
 
 
+class SpeculationTree(BaseModel):
+    top_k: int
+    depth: int
+    num_tree_steps: int = 0
+    num_tree_nodes: int = 0
+    accepted_depth: list[int] = Field(default_factory=list)
+    mean_accepted_depth: float = 0.0
+
+
 class SpeculationInfo(BaseModel):
     """What speculation did for this request (summed over its choices).
 
@@ -68,6 +77,9 @@ class SpeculationInfo(BaseModel):
     # structured outputs: steps where the grammar forbade a draft (rejected at that position; the token
     # emitted there came from the grammar-masked distribution). Absent for free-text requests.
     grammar_rejected: int | None = None
+    # draft trees (absent for chains): the tree asked for, the steps that verified one, the nodes they
+    # verified, and accepted_depth[d] = tree steps whose accepted path was d nodes deep
+    draft_tree: SpeculationTree | None = None
     requested: SpeculationRequested | None = None
     notice: str | None = None
 
@@ -104,6 +116,7 @@ class SpeculationInfo(BaseModel):
                               for m, r in used.items()} or None)
         if any(s.grammar_rejected for s in stats):
             info.grammar_rejected = sum(s.grammar_rejected for s in stats)
+        info.draft_tree = _tree_info(stats)
         words = [notice] if notice is not None else []
         words += [f"{CUT_REASONS.get(r, r)} ({n} step{'s' if n != 1 else ''})"
                   for r, n in cuts.items() if r != "prediction_ignored"]
@@ -239,3 +252,18 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     speculation: SpeculationInfo | None = None
+
+
+def _tree_info(stats: list[SpecStats]) -> SpeculationTree | None:
+    """The draft-tree part of the stats (n choices summed), or None when no choice asked for a tree."""
+    trees = [s for s in stats if s.draft_tree is not None]
+    if not trees:
+        return None
+    depth = [0] * max(len(s.accepted_depth_steps) for s in trees)
+    for s in trees:
+        for d, count in enumerate(s.accepted_depth_steps):
+            depth[d] += count
+    steps = sum(depth)
+    return SpeculationTree(**trees[0].draft_tree, num_tree_steps=sum(s.num_tree_steps for s in trees),
+                           num_tree_nodes=sum(s.num_tree_nodes for s in trees), accepted_depth=depth,
+                           mean_accepted_depth=sum(d * c for d, c in enumerate(depth)) / steps if steps else 0.0)

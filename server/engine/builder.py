@@ -131,6 +131,8 @@ def _assemble(cfg: EngineConfig, model, mcfg, name: str, model_dir: Path | None,
     sampler = RejectionSampler(eos_token_ids=tokenizer.eos_token_ids)
     ctx.target = runner
     spec = SpecDispatcher(registry.build_all(ctx))
+    # a tree's mask and K/V compaction live on rank 0 only: sharded targets verify chains
+    spec.trees_allowed = cfg.tensor_parallel_size == 1
     runner.aux_layer_ids = tuple(sorted({i for sp in spec.speculators.values() for i in sp.aux_layer_ids}))
     check_default_speculation(cfg, spec)
     if cfg.compile:

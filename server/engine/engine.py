@@ -14,6 +14,7 @@ import torch
 from specserve.grammar.compiler import GrammarCompiler
 from specserve.sampling.outputs import SeqSamplingInput, SeqSamplingOutput
 from specserve.sampling.params import SamplingParams
+from specserve.sampling.tree_verify import TreeInput, TreeVerifier, node_paths
 from specserve.server.engine.detokenizer import IncrementalDetokenizer
 from specserve.server.engine.model_runner import ModelRunner, StepResult
 from specserve.server.engine.output_builder import (
@@ -28,9 +29,22 @@ from specserve.server.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.server.engine.spec_dispatch import SpecDispatcher
 from specserve.server.engine.stats import SpecStepStats, StepStats
 from specserve.server.engine.tokenizer import Tokenizer
+from specserve.server.engine.tree_step import accepted_moves, apply_tree_layout, chain_rows, compact_tree_kv
 from specserve.speculators.base import SpecParams
 
 log = logging.getLogger(__name__)
+
+
+def node_grammar_masks(grammar, tokens: list[int], parents: list[int]) -> tuple[torch.Tensor, int]:
+    """([N + 1, vocab] bool, N): the grammar's allowed tokens after each tree row's own path. A row whose
+    path the grammar forbids or completes is never verified from, so it allows everything."""
+    masks = []
+    for path in node_paths(tokens, parents):
+        mask = grammar.draft_mask(path)
+        masks.append(mask)
+    vocab = next(m for m in masks if m is not None).shape[0]        # the root's path is always allowed
+    full = torch.ones(vocab, dtype=torch.bool)
+    return torch.stack([full if m is None else m for m in masks]), len(tokens)
 
 
 @dataclass
@@ -48,6 +62,7 @@ class Engine:
         self.runner = runner
         self.grammars = grammars      # compiles structured-output constraints; None: they are refused
         self._mask_pool: ThreadPoolExecutor | None = None
+        self._trees: TreeVerifier | None = None     # verifies draft trees (built on first use)
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.sampler = sampler
@@ -75,6 +90,8 @@ class Engine:
         if request_id in self.live:
             raise ValueError(f"duplicate request id {request_id}")
         self.validate(prompt_token_ids, params)
+        if spec.draft_tree is not None and spec.draft_tree.top_k > 1 and not self.spec.trees_allowed:
+            raise ValueError("draft trees are not available with --tensor-parallel-size > 1")
         req = Request(request_id, list(prompt_token_ids), params, spec,
                       prediction_token_ids=prediction_token_ids, needs_prompt_logprobs=prompt_logprobs)
         if params.structured is not None:
@@ -118,12 +135,15 @@ class Engine:
             outputs = [out] if out is not None else []
         if sched.seqs:
             drafts, draft_probs = self.spec.propose(sched.seqs, stats)
-            masks = self._start_masks(sched.seqs, drafts)
+            trees = self.spec.tree_parents            # per seq: a draft tree's parents, or None (a chain)
+            masks = self._start_masks(sched.seqs, drafts, trees)
             t0 = time.perf_counter()
             batch = self.runner.prepare(sched.seqs, drafts)
+            if any(t is not None for t in trees):
+                apply_tree_layout(batch, sched.seqs, trees, self.runner.block_size, self.runner.device)
             result = self.runner.execute(batch)
             outputs = self._sample_and_update(sched.seqs, drafts, draft_probs, result, stats,
-                                              masks.result() if masks is not None else {})
+                                              masks.result() if masks is not None else {}, trees)
             # forward + sampling (the sampler's host copy makes this honest on CUDA too)
             self.spec.observe_step(sched.seqs, drafts, time.perf_counter() - t0)
         self.scheduler.remove_finished()
@@ -133,30 +153,36 @@ class Engine:
         return outputs, stats
 
     def _sample_and_update(self, seqs: list[ScheduledSeq], drafts: list[list[int]], draft_probs: list,
-                           result: StepResult, stats: StepStats, masks: dict) -> list[RequestOutput]:
+                           result: StepResult, stats: StepStats, masks: dict,
+                           trees: list[list[int] | None] | None = None) -> list[RequestOutput]:
         batch = result.batch
+        trees = trees or [None] * len(seqs)
         computed_before = [s.request.num_computed_tokens for s in seqs]
-        inputs: list[SeqSamplingInput] = []
-        rows: list[torch.Tensor] = []
+        inputs: dict[int, SeqSamplingInput] = {}
+        rows: dict[int, torch.Tensor] = {}
         for i, seq in enumerate(seqs):
             if not seq.samples:
                 continue
             req = seq.request
             start = batch.row_starts[i] + batch.num_prompt_rows[i]
-            rows.append(torch.arange(start, start + 1 + len(drafts[i])))
-            inputs.append(SeqSamplingInput(
+            rows[i] = torch.arange(start, start + 1 + len(drafts[i]))
+            inputs[i] = SeqSamplingInput(
                 params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids, draft_token_ids=drafts[i],
                 draft_probs=draft_probs[i],
-                grammar_mask=self._grammar_mask(req, masks.get(i), len(drafts[i]), stats)))
-        sampled: list[SeqSamplingOutput] = []
-        if inputs:
-            row_idx = torch.cat(rows).to(result.logits.device)
-            sampled = self.sampler(result.logits.index_select(0, row_idx), inputs)
+                grammar_mask=self._grammar_mask(req, masks.get(i), len(drafts[i]), stats))
+        sampling = list(inputs)
+        found, paths = self._verify(result, inputs, rows, trees)
         # Stops and max_tokens first: the counters below must see what is really kept (an accepted run can
         # cross a stop token, and its later drafts are then neither output nor valid KV).
-        sampling = [i for i, s in enumerate(seqs) if s.samples]
-        sampled = [self._truncate(seqs[i], out) for i, out in zip(sampling, sampled)]
+        sampled = [self._truncate(seqs[i], found[i]) for i in sampling]
+        if paths:
+            kept = {i: paths[i][:out.num_accepted] for i, (out, _) in zip(sampling, sampled) if i in paths}
+            for i, path in kept.items():
+                seqs[i].request.spec_stats.record_tree(len(drafts[i]), len(path))
+            src, dst = accepted_moves(batch, seqs, kept)
+            compact_tree_kv(self.runner.kv_caches, batch, src, dst)
+            result = chain_rows(result, src, dst)
         self.spec.update([seqs[i].request for i in sampling], [out for out, _ in sampled],
                          [drafts[i] for i in sampling], stats)
         outputs: list[RequestOutput] = []
@@ -181,16 +207,41 @@ class Engine:
         self.spec.observe(seqs, computed_before, accepted, result)
         return outputs
 
-    def _start_masks(self, seqs: list[ScheduledSeq], drafts: list[list[int]]) -> Future | None:
+    def _verify(self, result: StepResult, inputs: dict[int, SeqSamplingInput], rows: dict[int, torch.Tensor],
+                trees: list[list[int] | None]) -> tuple[dict[int, SeqSamplingOutput], dict[int, list[int]]]:
+        """Chains through the rejection sampler, draft trees through the tree verifier (one batch each):
+        seq index -> its output, and seq index -> the accepted tree path (tree requests only)."""
+        found: dict[int, SeqSamplingOutput] = {}
+        paths: dict[int, list[int]] = {}
+        for tree_part in (False, True):
+            idx = [i for i in inputs if (trees[i] is not None) == tree_part]
+            if not idx:
+                continue
+            logits = result.logits.index_select(0, torch.cat([rows[i] for i in idx]).to(result.logits.device))
+            if not tree_part:
+                found.update(zip(idx, self.sampler(logits, [inputs[i] for i in idx])))
+                continue
+            if self._trees is None:
+                self._trees = TreeVerifier(self.sampler.sampler)
+            for i, t in zip(idx, self._trees(logits, [TreeInput(inputs[i], trees[i]) for i in idx])):
+                found[i], paths[i] = t.out, t.path
+        return found, paths
+
+    def _start_masks(self, seqs: list[ScheduledSeq], drafts: list[list[int]],
+                     trees: list[list[int] | None] | None = None) -> Future | None:
         """Structured outputs' masks for this step's rows, computed on a worker thread while the target's
-        forward runs (the grammar library releases the GIL): seq index -> (mask, leading valid drafts)."""
-        work = [(i, s.request.grammar, drafts[i]) for i, s in enumerate(seqs)
+        forward runs (the grammar library releases the GIL): seq index -> (mask, leading valid drafts).
+        A draft tree's rows get the mask after each node's own path (node_grammar_masks)."""
+        trees = trees or [None] * len(seqs)
+        work = [(i, s.request.grammar, drafts[i], trees[i]) for i, s in enumerate(seqs)
                 if s.samples and s.request.grammar is not None]
         if not work:
             return None
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-masks")
-        return self._mask_pool.submit(lambda: {i: grammar.row_masks(d) for i, grammar, d in work})
+        return self._mask_pool.submit(lambda: {
+            i: grammar.row_masks(d) if tree is None else node_grammar_masks(grammar, d, tree)
+            for i, grammar, d, tree in work})
 
     @staticmethod
     def _grammar_mask(req: Request, found: tuple[torch.Tensor, int] | None, num_drafts: int,

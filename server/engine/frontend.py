@@ -53,7 +53,7 @@ class EngineFrontend:
             raise ValueError(f"num_speculative_tokens must be in [0, "
                              f"{self.config.max_speculative_tokens}], got {params.num_speculative_tokens}")
         self._check_spec(params)
-        return params
+        return self.config.with_default_tree(params)
 
     async def check_structured(self, spec: StructuredSpec) -> None:
         """Compile a structured-output constraint on a worker thread, never on the event loop (GrammarError,

@@ -50,6 +50,9 @@ class Request:
     def __post_init__(self) -> None:
         self.spec_stats.method = self.spec_params.method
         self.spec_stats.k = self.spec_params.k
+        tree = self.spec_params.draft_tree
+        if tree is not None and tree.top_k > 1:
+            self.spec_stats.draft_tree = {"top_k": tree.top_k, "depth": tree.depth}
 
     @property
     def num_prompt_tokens(self) -> int:

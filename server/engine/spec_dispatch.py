@@ -30,6 +30,7 @@ from specserve.server.engine.spec_policy import GoodputPolicy
 from specserve.server.engine.stats import SpecStepStats, StepStats
 from specserve.speculators import registry
 from specserve.speculators.base import Speculator, VerifiedStep, count_accepted_positions
+from specserve.speculators.tree_shape import check_tree
 
 
 def drafts_per_depth(method: str) -> bool:
@@ -45,6 +46,8 @@ def validate_spec(spec, validator: Callable[[str], Callable[[dict], None]] = reg
         registry.validator("none")(spec.options)
         return
     validator(spec.method)(spec.options)
+    if spec.draft_tree is not None:
+        check_tree(spec.draft_tree, spec.num_speculative_tokens, spec.method)
 
 
 class SpecDispatcher:
@@ -54,6 +57,10 @@ class SpecDispatcher:
         self._auto_policy = GoodputPolicy()           # auto's estimates when the server runs no policy
         self._chosen: dict[str, str] = {}             # auto request id -> its method this step
         self._drafted_methods: set[str] = set()       # methods (auto's members too) that drafted this step
+        # per seq of the last propose: a draft tree's parents (speculators/draft_tree.py), or None (a chain)
+        self.tree_parents: list[list[int] | None] = []
+        self._tree_ids: set[str] = set()              # requests that verify a draft tree this step
+        self.trees_allowed = True                     # False: a sharded target (builder.py)
 
     @property
     def learner(self) -> GoodputPolicy:
@@ -67,6 +74,8 @@ class SpecDispatcher:
     def validate(self, spec) -> None:
         """Reject method options the chosen speculator does not understand (ValueError -> HTTP 400)."""
         validate_spec(spec, lambda method: self.speculators[method].validate)
+        if spec.draft_tree is not None and spec.draft_tree.top_k > 1 and not self.trees_allowed:
+            raise ValueError("draft trees are not available with --tensor-parallel-size > 1")
 
     def propose(self, seqs: list[ScheduledSeq], stats: StepStats
                 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -78,6 +87,8 @@ class SpecDispatcher:
         self.learner.note_drafting(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[torch.Tensor | None] = [None for _ in seqs]
+        self.tree_parents = [None for _ in seqs]
+        self._tree_ids = set()
         groups: dict[tuple[str, bool], list[int]] = {}     # (method, chosen by auto) -> seqs
         for i, seq in enumerate(seqs):
             if seq.num_draft_slots > 0:
@@ -103,6 +114,10 @@ class SpecDispatcher:
                 drafts[i] = list(proposal.token_ids[j][:k])
                 p = proposal.draft_probs[j]
                 probs[i] = p[:len(drafts[i])] if p is not None else None
+                tree = proposal.parents[j] if proposal.parents is not None else None
+                if tree is not None and drafts[i]:    # nodes come in depth order: any prefix is a tree
+                    self.tree_parents[i] = list(tree[:len(drafts[i])])
+                    self._tree_ids.add(seqs[i].request.request_id)
         self._drain_refusals(stats)
         return drafts, probs
 
@@ -158,7 +173,11 @@ class SpecDispatcher:
                 req.spec_stats.record_method(method, len(d), out.num_accepted)
             self.learner.observe_acceptance(method, len(d), out.num_accepted, band_of(req))
             if d:
-                self._book_step(stats.spec.setdefault(method, SpecStepStats()), len(d), out.num_accepted)
+                st = stats.spec.setdefault(method, SpecStepStats())
+                self._book_step(st, len(d), out.num_accepted)
+                is_tree = req.request_id in self._tree_ids
+                st.accepted_depths.append(("tree" if is_tree else "chain", out.num_accepted))
+                st.num_tree_nodes += len(d) if is_tree else 0
 
     def observe(self, seqs: list[ScheduledSeq], computed_before: list[int], accepted: list[int],
                 result) -> None:

@@ -13,6 +13,9 @@ class SpecStepStats:
     accepted_per_pos: list[int] = field(default_factory=list)    # [max k in step]
     tokens_per_step: list[int] = field(default_factory=list)     # per verifying request: accepted + 1
     num_grammar_rejected: int = 0    # requests whose drafts the grammar forbade at some position this step
+    # per verifying request: ("chain" | "tree", drafts accepted: the accepted path's depth)
+    accepted_depths: list[tuple[str, int]] = field(default_factory=list)
+    num_tree_nodes: int = 0          # draft-tree nodes verified this step
 
 
 @dataclass

@@ -32,6 +32,10 @@ class ShortGroup:
     valid_src: torch.Tensor | None = None     # [num_valid] int64 rows of the flattened [S * Q] output to keep
     valid_dst: torch.Tensor | None = None     # [num_valid] int64 token rows they go to
     masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # see mask()
+    seq_ids: tuple[int, ...] = ()             # the batch's sequence index of each of the S sequences
+    # [S, Q, L] bool, keys each query row may see on top of causality (draft trees: its ancestors and the
+    # context); None: plain causal. Set by server/models/tree_attention.restrict_rows.
+    allowed: torch.Tensor | None = None
 
     def mask(self, group: int, rows: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask (0 / -inf) [S, 1, rows * group, L] for queries padded to `rows` >= Q per
@@ -47,6 +51,11 @@ class ShortGroup:
                 q_pos = torch.cat([q_pos, q_pos[:, -1:].expand(-1, rows - self.max_q)], dim=1)
             key_pos = torch.arange(self.num_keys, device=q_pos.device)             # [L]
             allowed = _causal_mask(q_pos, key_pos, window)                        # [S, rows, L]
+            if self.allowed is not None:
+                extra = self.allowed                                              # [S, Q, L]
+                if rows > self.max_q:
+                    extra = torch.cat([extra, extra[:, -1:].expand(-1, rows - self.max_q, -1)], dim=1)
+                allowed = allowed & extra
             if group > 1:
                 allowed = allowed.repeat_interleave(group, dim=1)                 # [S, rows * group, L]
             self.masks[key] = _additive(allowed.unsqueeze(1), dtype)
@@ -218,7 +227,7 @@ def _short_group(ids: list[int], table: np.ndarray, q_lens: np.ndarray, s_lens: 
     rows = np.minimum(np.arange(max_q)[None, :], (ql - 1)[:, None])            # [S, Q] padded rows repeat the last
     group = ShortGroup(num_seqs=len(ids), max_q=max_q, num_blocks=num_blocks, num_keys=num_blocks * bs,
                        block_ids=torch.from_numpy(table[idx, :num_blocks].reshape(-1)),
-                       q_pos=torch.from_numpy((sl - ql)[:, None] + rows))
+                       q_pos=torch.from_numpy((sl - ql)[:, None] + rows), seq_ids=tuple(ids))
     if not covers_all or int(ql.min()) != max_q:   # tokens are not already laid out as [S, Q]
         token_index = qsl[idx][:, None] + rows                                   # [S, Q]
         valid_src = np.flatnonzero(np.arange(max_q)[None, :] < ql[:, None])      # [num_valid] into [S * Q]
