@@ -174,3 +174,38 @@ def test_config_refusals():
     ):
         with pytest.raises(ValueError, match=match):
             parse_eagle1_config(bad, target)
+
+
+@pytest.mark.parametrize("fc_bias", [True, False], ids=["bias", "no-bias"])
+def test_the_embedded_familys_eagle1_export_drafts_what_the_trainer_predicts(tmp_path, fc_bias):
+    """Contract with training/: an EAGLE-1 head written by training.export.export_eagle1 loads as method
+    `eagle`, and its drafts' probabilities equal the trainer's own module (training-time-test steps 0..k-1
+    of row N-2, whose attention pattern is exactly inference's), the bias and the shared head included."""
+    from test_spec_eagle3 import perturb
+
+    from training.eagle1 import Eagle1Head as TrainedHead
+    from training.eagle1 import target_features
+    from training.export import export_eagle1, export_llama
+    from training.model import LlamaLM, LlamaSpec
+
+    torch.manual_seed(0)
+    spec = LlamaSpec(vocab_size=vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    target = LlamaLM(spec)
+    perturb(target)
+    head = TrainedHead(LlamaSpec(**{**spec.to_dict(), "num_hidden_layers": 1}), target, fc_bias)
+    perturb(head)
+    export_llama(target, tmp_path / "target", dtype=torch.float32)
+    export_eagle1(head, tmp_path / "eagle", dtype=torch.float32)
+    eng = make_engine(tmp_path / "target", eagle=str(tmp_path / "eagle"), enable_prefix_caching=False)
+    assert eng.engine.spec.speculators["eagle"].head.spec.fc_bias is fc_bias
+    log = record_proposals(eng, "eagle")
+    eng.generate(encode(eng)[:2], SamplingParams(temperature=1.0, seed=4, max_tokens=10, ignore_eos=True),
+                 SpecParams("eagle", 3))
+    with torch.no_grad():
+        for context, drafts, probs, _ in log[::3]:
+            feats, _ = target_features(target, torch.tensor([context]))              # rows 0..N-2
+            steps = head.ttt_logits(feats, torch.tensor([context[1:] + drafts[:-1]]), len(drafts))
+            trained = torch.stack([s[0, len(context) - 2] for s in steps]).softmax(-1)  # [k, V]
+            torch.testing.assert_close(probs, trained, atol=2e-5, rtol=1e-3)
+    assert len(log) > 3

@@ -66,6 +66,10 @@ class Eagle1Head(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)
 
+    def ttt_logits(self, feat: torch.Tensor, next_tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """feat [B, T, H]; next_tokens [B, T + steps - 1] -> logits per step, each [B, T, V]."""
+        return [self.logits(h) for h in self.ttt_states(feat, next_tokens, steps)]
+
     def ttt_states(self, feat: torch.Tensor, next_tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """feat [B, T, H] normed target states; next_tokens [B, T + steps - 1] -> per step [B, T, H]."""
         T = feat.shape[1]
