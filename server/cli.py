@@ -124,6 +124,8 @@ def _speculation_flags(p: argparse.ArgumentParser) -> None:
                    help="draft model directory for method 'draft'. Default: none loaded")
     g.add_argument("--eagle3", default=e.eagle3, metavar="DIR",
                    help="EAGLE-3 head directory for method 'eagle3'. Default: none loaded")
+    g.add_argument("--eagle", default=e.eagle, metavar="DIR",
+                   help="EAGLE-1 head directory (SafeAILab layout) for method 'eagle'. Default: none loaded")
 
 
 def _structured_flags(p: argparse.ArgumentParser) -> None:

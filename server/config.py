@@ -42,6 +42,7 @@ class EngineConfig:
     draft_tree_depth: int = 4
     draft_model: str | None = None
     eagle3: str | None = None
+    eagle: str | None = None               # an EAGLE-1 head (method "eagle")
     # the suffix method's cross-request cache: its token budget (oldest evicted first; ~90 B per token)
     # and who shares it (request: nobody; user: same API key and `user` field; global: everyone)
     suffix_cache_tokens: int = 1_000_000

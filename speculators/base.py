@@ -208,6 +208,7 @@ class BuildContext:
     stash_states: bool                      # prefix caching on: heads keep a per-slot state stash
     suffix_cache_tokens: int = 1_000_000    # the suffix method's cross-request cache budget (tokens)
     suffix_scope: str = "user"              # request | user | global: who shares that cache
+    eagle_dir: str | None = None            # --eagle (an EAGLE-1 head), or the embedded family's
     target: TargetModel | None = None
     loaded: dict[str, Speculator] = field(default_factory=dict)
 

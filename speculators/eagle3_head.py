@@ -10,6 +10,12 @@ Maths (docs/formats.md §1a/§1b), one row = (hidden x [H], token t, position p)
     logits   = lm_head(norm(h))                                [Vd], mapped to target ids by d2t
 At the first step x = fc(cat(aux_a, aux_b, aux_c)) of the target's taps (ascending layer order).
 
+Config-driven variants (docs/formats.md §1d), all off in a plain EAGLE-3 head:
+    fc_norm         x = fc(cat(fc_norm.0(aux_a), fc_norm.1(aux_b), fc_norm.2(aux_c)))   EAGLE-3.1: one RMSNorm
+                    per tap [Ht]
+    norm_before_fc  x = fc(input_norm(cat(aux_a, aux_b, aux_c)))   ONE RMSNorm over the concatenation [3 Ht]
+    norm_output     the next step's hidden is norm(h), not h (EAGLE-3.1); logits = lm_head(norm(h)) either way
+
 d2t is an OFFSET table: target_id = draft_id + d2t[draft_id]. Example: used target ids [0, 5, 9]
 -> d2t [0, 4, 7]; draft id 2 is target id 9. Draft logits are scattered into a full-vocabulary row
 filled with -inf, so drafts and draft_probs are in target ids.
@@ -40,6 +46,9 @@ class Eagle3Spec:
     aux_layer_ids: tuple[int, ...]         # target layers tapped, in concatenation (ascending) order
     norm_before_residual: bool
     layout: str                            # "eagle" (SafeAILab original) | "speculators" (vLLM library)
+    fc_norm: bool = False                  # an RMSNorm per tap before fc (`fc_norm.{k}.weight` [Ht])
+    norm_before_fc: bool = False           # one RMSNorm over the concatenated taps (`input_norm.weight` [3 Ht])
+    norm_output: bool = False              # the normed output is fed to the next draft step
 
 
 class Eagle3Layer(nn.Module):
@@ -75,7 +84,10 @@ class Eagle3Head(nn.Module):
         cfg = spec.layer_cfg
         self.spec = spec
         self.hidden_size = cfg.hidden_size
-        self.fc = Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, cfg.hidden_size, bias=False)
+        taps, width, eps = len(spec.aux_layer_ids), spec.target_hidden_size, cfg.rms_norm_eps
+        self.input_norm = RMSNorm(taps * width, eps) if spec.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(width, eps) for _ in range(taps)) if spec.fc_norm else None
+        self.fc = Linear(taps * width, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(cfg, spec.norm_before_residual)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, spec.draft_vocab_size, bias=False)
@@ -95,25 +107,33 @@ class Eagle3Head(nn.Module):
     def target_states(self, step: VerifiedStep, rows: torch.Tensor) -> torch.Tensor:
         """rows [r] -> fc(cat(taps)) [r, H]."""
         taps = [step.aux_hidden[j].index_select(0, rows) for j in self.aux_index]   # each [r, Ht]
-        return self.fc(torch.cat(taps, dim=-1))
+        return self.stash_project(torch.cat(taps, dim=-1))
 
     def stash_rows(self, step: VerifiedStep) -> torch.Tensor:
         """Every row's concatenated taps [num_tokens, 3 Ht] (a new tensor); the stash projects them in bulk."""
         return torch.cat([step.aux_hidden[j] for j in self.aux_index], dim=-1)
 
     def stash_project(self, raw: torch.Tensor) -> torch.Tensor:
-        """stash_rows -> target_states: [n, 3 Ht] -> fc [n, H]."""
+        """stash_rows -> target_states: [n, 3 Ht] -> (the config's norms, then) fc [n, H]."""
+        if self.input_norm is not None:
+            raw = self.input_norm(raw)
+        if self.fc_norm is not None:
+            parts = raw.chunk(len(self.fc_norm), dim=-1)                           # each [n, Ht]
+            raw = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
         return self.fc(raw)
 
     def layer(self, m: int, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
               max_position: int, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """hidden [r, H], token_ids [r], positions [r] absolute (< max_position) -> pre-norm h [r, H]."""
+        """hidden [r, H], token_ids [r], positions [r] absolute (< max_position) -> h [r, H] (norm(h) with
+        norm_output)."""
         rope = self.rotary.cos_sin(positions, max_position, hidden.dtype)
-        return self.midlayer(hidden, self.embed_tokens(token_ids), rope, attn, kv_cache)
+        h = self.midlayer(hidden, self.embed_tokens(token_ids), rope, attn, kv_cache)
+        return self.norm(h) if self.spec.norm_output else h
 
     def logits(self, m: int, states: torch.Tensor) -> torch.Tensor:
         """states [r, H] -> [r, V] float32, -inf outside the draft vocabulary."""
-        draft = self.lm_head(self.norm(states)).float()                           # [r, Vd]
+        normed = states if self.spec.norm_output else self.norm(states)           # norm_output: normed already
+        draft = self.lm_head(normed).float()                                      # [r, Vd]
         if self.target_ids is None:
             return draft
         full = draft.new_full((draft.shape[0], self.spec.target_vocab_size), float("-inf"))

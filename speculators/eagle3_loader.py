@@ -15,8 +15,11 @@ Defaults where the layouts are silent: `norm_before_residual` False (the specula
 vLLM's adapter assumes True when the key is missing, but the library always writes it); RoPE base
 10000 when the head config has no rope_theta (what EAGLE's own code does). Taps are concatenated in
 ascending layer order, as both EAGLE and vLLM collect them while iterating the target's layers.
-Features we do not implement (multi-layer heads, norm_before_fc / fc_norm, use_aux_hidden_state
-False) are refused with a clear error rather than silently mis-drafted.
+EAGLE-3.1 and the speculators library's variants are driven by top-level config booleans in either
+layout (docs/formats.md §1d): `fc_norm` (tensors fc_norm.{k}.weight [Ht], one per tap), `norm_before_fc`
+(input_norm.weight [3 Ht], one norm over the concatenation; the two are exclusive) and `norm_output`
+(no tensor). Features we do not implement (multi-layer heads, use_aux_hidden_state False) are refused with a
+clear error rather than silently mis-drafted; EAGLE-1 heads load as method `eagle` (eagle1_loader.py).
 """
 from __future__ import annotations
 
@@ -34,6 +37,17 @@ from specserve.speculators.eagle3_head import Eagle3Head, Eagle3Spec
 _ARCH_BY_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM"}
 _LAYER_PREFIX = {"eagle": "midlayer.", "speculators": "layers.0."}
+_NORM_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
+
+
+def _top_tensors(spec: Eagle3Spec) -> list[str]:
+    """The non-layer tensors a head of this spec must have (the norm variants add theirs)."""
+    names = ["fc.weight", "norm.weight", "lm_head.weight"]
+    if spec.norm_before_fc:
+        names.append("input_norm.weight")
+    if spec.fc_norm:
+        names += [f"fc_norm.{k}.weight" for k in range(len(spec.aux_layer_ids))]
+    return names
 
 
 def default_taps(num_target_layers: int) -> tuple[int, int, int]:
@@ -47,13 +61,14 @@ def parse_eagle3_config(raw: dict, target_cfg: ModelConfig) -> Eagle3Spec:
     return _parse_eagle(raw, target_cfg)
 
 
-def _layer_config(layer: dict, source: str) -> ModelConfig:
+def layer_config(layer: dict, source: str, kind: str = "EAGLE-3") -> ModelConfig:
+    """The head's one decoder layer as a ModelConfig (shared by the EAGLE-1 loader)."""
     layers = int(layer.get("num_hidden_layers", 1))
     if layers != 1:
-        raise ValueError(f"{source}: EAGLE-3 heads with {layers} decoder layers are not supported (only 1)")
+        raise ValueError(f"{source}: {kind} heads with {layers} decoder layers are not supported (only 1)")
     model_type = layer.get("model_type", "llama")
     if model_type not in _ARCH_BY_TYPE:
-        raise ValueError(f"{source}: EAGLE-3 head model_type {model_type!r} is not supported")
+        raise ValueError(f"{source}: {kind} head model_type {model_type!r} is not supported")
     # The head's own architecture name (e.g. LlamaForCausalLMEagle3) is not a target family: the layer is
     # built from the model_type's family flags.
     return ModelConfig.from_dict({**layer, "architectures": [_ARCH_BY_TYPE[model_type]]})
@@ -62,8 +77,9 @@ def _layer_config(layer: dict, source: str) -> ModelConfig:
 def _parse_eagle(raw: dict, target_cfg: ModelConfig) -> Eagle3Spec:
     eagle = raw.get("eagle_config") or {}
     if eagle.get("use_aux_hidden_state", True) is False:
-        raise ValueError("EAGLE-3 head with use_aux_hidden_state=false (EAGLE-1 style) is not supported")
-    cfg = _layer_config(raw, "EAGLE-3 config")
+        raise ValueError("EAGLE-3 head with use_aux_hidden_state=false is not supported; an EAGLE-1 head "
+                         "(fc.weight [H, 2H], layers.0.*) loads with --eagle DIR as method 'eagle'")
+    cfg = layer_config(raw, "EAGLE-3 config")
     taps = eagle.get("eagle_aux_hidden_state_layer_ids") or raw.get("eagle_aux_hidden_state_layer_ids")
     return _spec(cfg, raw, target_cfg, taps, bool(raw.get("norm_before_residual", False)), "eagle")
 
@@ -76,10 +92,7 @@ def _parse_speculators(raw: dict, target_cfg: ModelConfig) -> Eagle3Spec:
     if not isinstance(layer, dict):
         # a malformed file, not a type error in our code: users get it as a startup ValueError
         raise ValueError("speculators EAGLE-3 config lacks a transformer_layer_config object")  # noqa: TRY004
-    for flag in ("norm_before_fc", "fc_norm"):
-        if raw.get(flag):
-            raise ValueError(f"EAGLE-3 heads with {flag}=true are not supported")
-    cfg = _layer_config(layer, "speculators transformer_layer_config")
+    cfg = layer_config(layer, "speculators transformer_layer_config")
     return _spec(cfg, raw, target_cfg, raw.get("eagle_aux_hidden_state_layer_ids"),
                  bool(raw.get("norm_before_residual", False)), "speculators")
 
@@ -98,9 +111,13 @@ def _spec(cfg: ModelConfig, raw: dict, target_cfg: ModelConfig, taps, norm_befor
     if target_hidden != target_cfg.hidden_size:
         raise ValueError(f"EAGLE-3 head expects target hidden size {target_hidden}, the target has "
                          f"{target_cfg.hidden_size}")
+    flags = {name: bool(raw.get(name, False)) for name in _NORM_FLAGS}
+    if flags["fc_norm"] and flags["norm_before_fc"]:
+        raise ValueError("EAGLE-3 config sets both fc_norm and norm_before_fc; they are exclusive (a norm per "
+                         "tap, or one over the concatenation)")
     return Eagle3Spec(layer_cfg=cfg, target_hidden_size=target_hidden, target_vocab_size=target_cfg.vocab_size,
                       draft_vocab_size=int(raw.get("draft_vocab_size") or cfg.vocab_size), aux_layer_ids=taps,
-                      norm_before_residual=norm_before_residual, layout=layout)
+                      norm_before_residual=norm_before_residual, layout=layout, **flags)
 
 
 def load_eagle3_head(head_dir: str | Path, target_cfg: ModelConfig, target_embedding: nn.Embedding,
@@ -119,28 +136,30 @@ def load_eagle3_head(head_dir: str | Path, target_cfg: ModelConfig, target_embed
     unused = load_layer_weights(head.midlayer, spec.layer_cfg, layer_tensors)
     if unused:
         raise ValueError(f"{head_dir}: unexpected EAGLE-3 layer tensors {unused[:5]}")
+    top = _top_tensors(spec)
     with torch.no_grad():
-        for name in ("fc.weight", "norm.weight", "lm_head.weight"):
+        for name in top:
             if name not in tensors:
                 raise ValueError(f"{head_dir}: EAGLE-3 head lacks {name}")
-            _copy(head.get_parameter(name), tensors[name], name)
-    head.embed_tokens = _embedding(tensors, spec, target_embedding, head_dir, dtype, device)
+            copy_tensor(head.get_parameter(name), tensors[name], name)
+    head.embed_tokens = shared_embedding(tensors, spec, target_embedding, head_dir, dtype, device)
     head.target_ids = _target_ids(tensors, spec, head_dir, device)
     extra = sorted(set(tensors) - {prefix + n for n in layer_tensors}
-                   - {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t", "t2d"})
+                   - {*top, "embed_tokens.weight", "d2t", "t2d"})
     if extra:
-        raise ValueError(f"{head_dir}: unsupported EAGLE-3 tensors {extra[:5]} (e.g. a multi-layer head)")
+        raise ValueError(f"{head_dir}: unsupported EAGLE-3 tensors {extra[:5]} (e.g. a multi-layer head, or a "
+                         "norm its config does not declare: fc_norm / norm_before_fc)")
     pack_linears(head)          # CPU fp32: weights final, pack them once (server/models/linear.py)
     return head.eval()
 
 
-def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
+def copy_tensor(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dest.shape) != tuple(src.shape):
         raise ValueError(f"EAGLE-3 tensor {name}: shape {tuple(src.shape)} does not fit {tuple(dest.shape)}")
     dest.copy_(src)
 
 
-def _embedding(tensors: dict, spec: Eagle3Spec, target_embedding: nn.Embedding, head_dir, dtype, device
+def shared_embedding(tensors: dict, spec: Eagle3Spec, target_embedding: nn.Embedding, head_dir, dtype, device
                ) -> nn.Embedding:
     hidden = spec.layer_cfg.hidden_size
     own = tensors.get("embed_tokens.weight")

@@ -80,6 +80,23 @@ def test_mtp_drafts_are_accepted_and_lossless(offline, prompts):
     assert sum(o.num_steps for o in mtp) < sum(o.num_steps for o in plain)
 
 
+def test_the_embedded_eagle1_head_is_offered_small_and_lossless(offline, prompts):
+    """`make serve` (no flags) offers method `eagle` from models/eagle: a few-MB SafeAILab-layout EAGLE-1
+    head whose greedy drafts are accepted and keep the plain text."""
+    head_dir = embedded_family().eagle
+    assert (head_dir / "model.safetensors").stat().st_size < 10e6
+    assert "eagle" in offline.engine.spec.speculators
+    head = offline.engine.spec.speculators["eagle"].head
+    assert head.spec.fc_bias == json.loads((head_dir / "config.json").read_text())["bias"]
+    assert head.lm_head is offline.engine.runner.model.lm_head
+    plain = _greedy(offline, prompts, SpecParams())
+    outs = _greedy(offline, prompts, SpecParams(method="eagle", num_speculative_tokens=4))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    drafts = sum(o.spec_stats.num_draft_tokens for o in outs)
+    accepted = sum(o.spec_stats.num_accepted_tokens for o in outs)
+    assert drafts > 0 and accepted / drafts > 0.1, (accepted, drafts)
+
+
 def test_plain_copy_for_other_servers_drops_only_the_mtp_layer(tmp_path):
     """loadtest.bench_vllm hands vLLM this copy: the main model's tensors bit for bit, no MTP weights or
     config keys, tokenizer alongside; plain transformers loads it with no missing or unexpected keys."""
@@ -110,7 +127,7 @@ def test_bf16_family_every_method_keeps_greedy_text_in_one_batch(prompts):
     eng = OfflineEngine.from_config(EngineConfig(dtype="bfloat16", device="cpu", num_threads=1,
                                                  kv_cache_memory_gb=0.05, seed=0))
     assert eng.engine.runner.kv_caches[0][0].dtype == torch.float32
-    methods = ["none", "ngram", "draft", "eagle3", "mtp"]
+    methods = ["none", "ngram", "draft", "eagle3", "eagle", "mtp"]
     assert set(methods[1:]) <= set(eng.engine.spec.speculators)
     plain = _greedy(eng, prompts, SpecParams())
     batch = [p for p in prompts for _ in methods]
@@ -120,5 +137,6 @@ def test_bf16_family_every_method_keeps_greedy_text_in_one_batch(prompts):
     for i, out in enumerate(outs):
         assert out.token_ids == plain[i // len(methods)].token_ids, specs[i]
     assert all(
-        o.spec_stats.num_accepted_tokens > 0 for o, s in zip(outs, specs) if s.method in ("draft", "eagle3", "mtp")
+        o.spec_stats.num_accepted_tokens > 0
+        for o, s in zip(outs, specs) if s.method in ("draft", "eagle3", "eagle", "mtp")
     )

@@ -31,7 +31,7 @@ TOY = registry.Method("repeat_last", f"{__name__}:RepeatLastSpeculator", "always
 
 def test_table_order_drives_methods_and_the_hybrids_fallback():
     assert registry.METHODS[0] == "none" and set(registry.METHODS[1:]) == set(registry.BY_NAME)
-    assert registry.MODEL_DRAFTERS == ("eagle3", "mtp", "draft")
+    assert registry.MODEL_DRAFTERS == ("eagle3", "eagle", "mtp", "draft")
     assert HybridSpeculator.over({"draft": object(), "mtp": object()}).fallback_name == "mtp"
     with pytest.raises(ValueError, match="already registered"):
         registry.register(registry.Method("ngram", TOY.target, "always"))

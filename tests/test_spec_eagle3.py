@@ -275,7 +275,7 @@ def test_config_layouts_defaults_and_refusals():
     spec = parse_eagle3_config(nested, target)
     assert (spec.layout, spec.aux_layer_ids, spec.norm_before_residual) == ("speculators", (1, 15, 30), True)
     for bad, match in (
-        ({**nested, "norm_before_fc": True}, "norm_before_fc"),
+        ({**nested, "norm_before_fc": True, "fc_norm": True}, "exclusive"),
         ({**nested, "eagle_aux_hidden_state_layer_ids": [1, 2, 40]}, "taps"),
         ({**flat, "num_hidden_layers": 2}, "decoder layers"),
         ({**flat, "eagle_config": {"use_aux_hidden_state": False}}, "EAGLE-1"),

@@ -9,6 +9,7 @@ Stages (each is skipped when its export already exists, and resumes from runs/<n
   3. target-2   training.train_target   second stage from it, lr 1e-3, fresh schedule -> models/target
   4. draft      training.train_draft                              -> models/draft
   5. eagle3     training.train_eagle3   (on the frozen target, 2048-token draft vocab) -> models/eagle3
+  5b. eagle1    training.train_eagle1   (EAGLE-1 head, same loop, fc with bias, row stride 4) -> models/eagle
   6. evaluate   training.evaluate       (losses, samples, acceptance) -> runs/eval/results.json
   7. card       training.model_card     -> models/README.md
 Budgets are the token counts the shipped models were trained on (PLAN_TOKENS), so a rerun on any machine
@@ -27,8 +28,9 @@ from pathlib import Path
 from training import common
 
 # Tokens each shipped model was trained on (whole 4096-token steps; see models/README.md).
-PLAN_TOKENS = {"target": 3_321_856, "target-2": 4_997_120, "draft": 4_603_904, "eagle3": 5_998_592}
-STAGE_ARGS = {"target-2": ["--lr", "1e-3"], "eagle3": ["--draft-vocab", "2048"]}
+PLAN_TOKENS = {"target": 3_321_856, "target-2": 4_997_120, "draft": 4_603_904, "eagle3": 5_998_592,
+               "eagle1": 450_560}
+STAGE_ARGS = {"target-2": ["--lr", "1e-3"], "eagle3": ["--draft-vocab", "2048"], "eagle1": ["--row-stride", "4"]}
 EXIT_RESUME = 75   # "not finished, rerun to resume" (EX_TEMPFAIL)
 
 
@@ -65,24 +67,25 @@ def main(argv=None):
     ap.add_argument("--time-limit-minutes", type=float, default=None,
                     help="stop cleanly (checkpoint, exit code 75) after this many minutes; rerun the same "
                          "command to resume")
-    ap.add_argument("--only", choices=["target", "draft", "eagle3", "evaluate", "card"], nargs="*")
+    ap.add_argument("--only", choices=["target", "draft", "eagle3", "eagle1", "evaluate", "card"], nargs="*")
     ap.add_argument("--smoke", action="store_true", help="tiny models, tiny budgets, outputs under runs/smoke")
     ap.add_argument("--skip-tokenizer-check", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda to train on a GPU (bf16 autocast)")
     args = ap.parse_args(argv)
-    from training import evaluate, model_card, train_draft, train_eagle3, train_target
+    from training import evaluate, model_card, train_draft, train_eagle1, train_eagle3, train_target
     t0 = time.time()
-    stages = args.only or ["target", "draft", "eagle3", "evaluate", "card"]
+    stages = args.only or ["target", "draft", "eagle3", "eagle1", "evaluate", "card"]
     models = common.RUNS_DIR / "smoke" / "models" if args.smoke else common.REPO / "models"
     prefix = "smoke-" if args.smoke else ""
     tokens = _parse_budgets(args.tokens)
     if args.smoke:
-        tokens = {"target": "2e4", "target-2": "1e4", "draft": "1e4", "eagle3": "4e3", **tokens}
+        tokens = {"target": "2e4", "target-2": "1e4", "draft": "1e4", "eagle3": "4e3", "eagle1": "4e3", **tokens}
     if not args.smoke and not args.skip_tokenizer_check:
         check_tokenizer()
 
     stage1 = common.RUNS_DIR / ("smoke" if args.smoke else "") / "target-stage1"   # stage 1's export -> stage 2
-    outs = {"target": stage1, "target-2": models / "target", "draft": models / "draft", "eagle3": models / "eagle3"}
+    outs = {"target": stage1, "target-2": models / "target", "draft": models / "draft", "eagle3": models / "eagle3",
+            "eagle1": models / "eagle"}
 
     def common_args(stage: str) -> list[str]:
         budget = tokens.get(stage, f"{PLAN_TOKENS[stage] * args.scale:.0f}")
@@ -99,19 +102,19 @@ def main(argv=None):
     smoke = {"target": ["--preset", "tiny", "--batch-size", "4", "--seq-len", "64", "--eval-windows", "4",
                         "--final-eval-windows", "8"],
              "draft": ["--batch-size", "4", "--seq-len", "64", "--eval-windows", "4", "--final-eval-windows", "8"],
-             "eagle3": ["--batch-size", "2", "--seq-len", "64", "--eval-windows", "2", "--draft-vocab", "512"]}
+             "eagle3": ["--batch-size", "2", "--seq-len", "64", "--eval-windows", "2", "--draft-vocab", "512"],
+             "eagle1": ["--batch-size", "2", "--seq-len", "64", "--eval-windows", "2"]}
     smoke["target-2"] = smoke["target"]
     trainers = {"target": train_target.main, "target-2": train_target.main, "draft": train_draft.main,
-                "eagle3": train_eagle3.main}
-    for stage in ("target", "target-2", "draft", "eagle3"):
+                "eagle3": train_eagle3.main, "eagle1": train_eagle1.main}
+    for stage in ("target", "target-2", "draft", "eagle3", "eagle1"):
         done = outs[stage] / "model.safetensors"
         wanted = stage in stages or (stage == "target-2" and "target" in stages)
         if not wanted or done.exists() or (stage == "target" and (outs["target-2"] / "model.safetensors").exists()):
             continue
-        extra = {"target-2": ["--init-from", str(stage1)], "eagle3": ["--target", str(models / "target")]}.get(
-            stage, []
-        )
-        if stage != "eagle3" and not args.smoke and common.precision(args.device) == "fp32":
+        extra = {"target-2": ["--init-from", str(stage1)], "eagle3": ["--target", str(models / "target")],
+                 "eagle1": ["--target", str(models / "target")]}.get(stage, [])
+        if stage not in ("eagle3", "eagle1") and not args.smoke and common.precision(args.device) == "fp32":
             extra.append("--compile")  # helps fp32 on CPU; with bf16 autocast it halved throughput here
         trainers[stage](common_args(stage) + extra + (smoke[stage] if args.smoke else []))
         if not done.exists():

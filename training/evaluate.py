@@ -20,6 +20,7 @@ import torch
 from specserve.sampling.truncation import apply_top_k_top_p
 from training import common
 from training.corpus import heldout_functions
+from training.eagle1 import Eagle1Head
 from training.eagle3 import Eagle3Head, aux_layer_ids
 from training.export import draft_ids_from_d2t, load_llama
 from training.lm_loop import evaluate as lm_heldout
@@ -88,7 +89,7 @@ def chain_matches(correct: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def acceptance(target: LlamaLM, seq: list[int], start: int, draft: LlamaLM | None, head: Eagle3Head | None,
-               k: int) -> dict:
+               k: int, eagle1: Eagle1Head | None = None) -> dict:
     """Tokens per step for each speculator over the target's greedy sequence seq (generated part from `start`)."""
     x = torch.tensor([seq])
     T = len(seq)
@@ -111,16 +112,24 @@ def acceptance(target: LlamaLM, seq: list[int], start: int, draft: LlamaLM | Non
     if head is not None:   # EAGLE row i (aux_i, token i+1), step j predicts seq[i+2+j]; proposals after p use row p-1
         layers = aux_layer_ids(target.spec.num_hidden_layers)
         aux = torch.cat([captured[i] for i in layers], -1)
-        nxt = torch.cat([x[:, 1:], torch.zeros(1, k, dtype=x.dtype)], 1)
-        logits = head.ttt_logits(aux, nxt, k)
-        corr = torch.zeros(T + 1, k, dtype=torch.bool)
-        for j, lg in enumerate(logits):
-            pj = head.to_target_ids(lg[0].argmax(-1))                     # [T] row i predicts seq[i+2+j]
-            n = max(0, T - 2 - j)
-            corr[1:1 + n, j] = pj[:n] == x[0, 2 + j:2 + j + n]
-        m = chain_matches(corr)
+        m = _head_matches(head, aux, x, k)
         out["eagle3"] = walk(lambda p: int(m[p]), start - 1, T - 1, k)
+    if eagle1 is not None:   # the same rows, fed by the target's final-normed state instead of the taps
+        m1 = _head_matches(eagle1, hidden, x, k)
+        out["eagle"] = walk(lambda p: int(m1[p]), start - 1, T - 1, k)
     return out
+
+
+def _head_matches(head, feats: torch.Tensor, x: torch.Tensor, k: int) -> torch.Tensor:
+    """feats [1, T, F] the head's step-0 input per row, x [1, T] -> leading-run length of matches [T + 1]."""
+    T = x.shape[1]
+    nxt = torch.cat([x[:, 1:], torch.zeros(1, k, dtype=x.dtype)], 1)
+    corr = torch.zeros(T + 1, k, dtype=torch.bool)
+    for j, lg in enumerate(head.ttt_logits(feats, nxt, k)):
+        pj = head.to_target_ids(lg[0].argmax(-1))                         # [T] row i predicts seq[i+2+j]
+        n = max(0, T - 2 - j)
+        corr[1:1 + n, j] = pj[:n] == x[0, 2 + j:2 + j + n]
+    return chain_matches(corr)
 
 
 def load_head(path: Path, target: LlamaLM) -> Eagle3Head:
@@ -134,6 +143,18 @@ def load_head(path: Path, target: LlamaLM) -> Eagle3Head:
     sd["embed_tokens.weight"] = target.model.embed_tokens.weight
     if draft_ids is not None:
         sd["draft_ids"] = draft_ids
+    head.load_state_dict(sd)
+    return head.eval()
+
+
+def load_eagle1(path: Path, target: LlamaLM) -> Eagle1Head:
+    """An export_eagle1 checkpoint back into the training module (embedding and lm_head: the target's)."""
+    from safetensors.torch import load_file
+    cfg = json.loads((path / "config.json").read_text())
+    head = Eagle1Head(head_spec(target.spec), target, fc_bias=cfg.get("bias", True))
+    sd = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
+    sd["embed_tokens.weight"] = target.model.embed_tokens.weight
+    sd["lm_head.weight"] = target.lm_head.weight
     head.load_state_dict(sd)
     return head.eval()
 
@@ -153,6 +174,7 @@ def main(argv=None):
     target = load_llama(args.models / "target").eval()
     draft = load_llama(args.models / "draft").eval() if (args.models / "draft").exists() else None
     head = load_head(args.models / "eagle3", target) if (args.models / "eagle3").exists() else None
+    eagle1 = load_eagle1(args.models / "eagle", target) if (args.models / "eagle").exists() else None
     _, held = common.token_streams()
     win = common.eval_windows(held, 512, args.heldout_windows)
     res = {"heldout_loss": {"target": lm_heldout(target, win)}}
@@ -164,7 +186,7 @@ def main(argv=None):
         t0 = time.time()
         ids = tok.encode(prompt).ids
         seq = greedy(target, ids, args.new_tokens)
-        a = acceptance(target, seq, len(ids), draft, head, args.k)
+        a = acceptance(target, seq, len(ids), draft, head, args.k, eagle1)
         acc.append(a)
         sampled = [tok.decode(sample(target, ids, args.new_tokens, SAMPLED["temperature"], SAMPLED["top_p"],
                                      seed)[len(ids):]) for seed in range(SAMPLED["seeds"])]

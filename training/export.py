@@ -7,6 +7,10 @@ head: it shares `model.embed_tokens.weight` and `lm_head.weight` (stated in conf
 
 EAGLE-3 head: the original SafeAILab layout (`fc`, `midlayer.*`, `norm`, `lm_head`), architecture
 `LlamaForCausalLMEagle3`, full draft vocabulary (so no d2t/t2d), no `embed_tokens` (taken from the target).
+
+EAGLE-1 head: the SafeAILab layout (`fc.weight` [H, 2H], `fc.bias` when config `"bias"` is true,
+`layers.0.{self_attn,mlp,post_attention_layernorm}.*`), a Llama config with `num_hidden_layers: 1`; no
+`embed_tokens`, no final norm, no `lm_head` (the target's are used).
 """
 from __future__ import annotations
 
@@ -158,6 +162,29 @@ def export_eagle3(
     }
     if head.draft_ids is not None:
         sd.update(draft_vocab_tables(head.draft_ids.cpu(), s.vocab_size))
+    save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    copy_tokenizer(out_dir, tokenizer_dir)
+    return out_dir
+
+
+def export_eagle1(
+    head,
+    out_dir: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    training_info: dict | None = None,
+    tokenizer_dir: Path = TOKENIZER_DIR,
+) -> Path:
+    """head: training.eagle1.Eagle1Head. Its frozen embedding and the target's lm_head are not saved."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = hf_llama_config(head.spec)
+    del cfg["num_nextn_predict_layers"]
+    cfg.update({"num_hidden_layers": 1, "bias": bool(head.fc_bias), "torch_dtype": str(dtype).replace("torch.", "")})
+    if training_info:
+        cfg["specserve_training"] = training_info
+    write_json(out_dir / "config.json", cfg)
+    sd = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()
+          if not k.startswith(("embed_tokens", "lm_head"))}
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     copy_tokenizer(out_dir, tokenizer_dir)
     return out_dir

@@ -87,7 +87,7 @@ def render(models: Path, results: dict) -> str:
              "| model | layout | params (in the file) | training tokens | epochs | held-out loss (nats/token) |",
              "|---|---|---|---|---|---|"]
     held = results.get("heldout_loss", {})
-    for name in ("target", "draft", "eagle3"):
+    for name in ("target", "draft", "eagle3", "eagle"):
         p = models / name
         if not (p / "config.json").exists():
             continue
@@ -98,8 +98,9 @@ def render(models: Path, results: dict) -> str:
         if name == "target" and "heldout_mtp_loss" in held.get("target", {}):
             extra = f" (MTP, token t+2: {held['target']['heldout_mtp_loss']:.3f})"
         layout = {"target": "LlamaForCausalLM + 1 DeepSeek-style MTP layer", "draft": "LlamaForCausalLM",
-                  "eagle3": "EAGLE-3 head (LlamaForCausalLMEagle3)"}[name]
-        if name == "eagle3" and info.get("heldout_top1_per_step"):
+                  "eagle3": "EAGLE-3 head (LlamaForCausalLMEagle3)",
+                  "eagle": "EAGLE-1 head (SafeAILab layout; the target's embedding and lm_head)"}[name]
+        if name in ("eagle3", "eagle") and info.get("heldout_top1_per_step"):
             extra = ("held-out top-1 agreement with the target, draft steps 1-"
                      f"{len(info['heldout_top1_per_step'])}: "
                      + " / ".join(f"{a:.2f}" for a in info["heldout_top1_per_step"]))
@@ -110,7 +111,7 @@ def render(models: Path, results: dict) -> str:
     lines += [""] + status_lines(results, corpus)
     lines += ["## Greedy speculative acceptance (held-out function prompts, 128 new tokens)", "",
               "| method | k | mean acceptance length (1 + accepted/drafts) |", "|---|---|---|"]
-    for key, k in (("draft", 4), ("eagle3", 4), ("mtp_k1", 1)):
+    for key, k in (("draft", 4), ("eagle3", 4), ("eagle", 4), ("mtp_k1", 1)):
         if key in acc:
             lines.append(f"| {key} | {k} | {acc[key]:.2f} |")
     if "mtp_first_pos_accept" in acc:

@@ -1,7 +1,9 @@
 """Train the EAGLE-3 head on the frozen target (distillation to the target's logits over corpus text, with
-training-time test), export in the public EAGLE-3 head layout to models/eagle3.
+training-time test), export in the public EAGLE-3 head layout to models/eagle3. `--head eagle1` trains an
+EAGLE-1 head (training/eagle1.py) with the same loop and exports the SafeAILab EAGLE-1 layout.
 
     python -m training.train_eagle3 --target models/target --minutes 20 --threads 2   # resumable
+    python -m training.train_eagle1 --target models/target --tokens 3e6 --threads 1    # models/eagle
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from training import common
+from training import common, eagle1
 from training.eagle3 import (
     Eagle3Head,
     aux_layer_ids,
@@ -19,7 +21,7 @@ from training.eagle3 import (
     target_features,
     ttt_loss,
 )
-from training.export import export_eagle3, load_llama
+from training.export import export_eagle1, export_eagle3, load_llama
 from training.model import LlamaLM, LlamaSpec, count_params
 
 
@@ -34,7 +36,8 @@ def head_spec(target: LlamaSpec) -> LlamaSpec:
 
 
 @torch.no_grad()
-def evaluate(head: Eagle3Head, target: LlamaLM, windows: torch.Tensor, layers, steps: int, batch: int = 8) -> dict:
+def evaluate(head: Eagle3Head, target: LlamaLM, windows: torch.Tensor, layers, steps: int, batch: int = 8,
+             features=target_features) -> dict:
     """Per-step soft-CE and top-1 agreement with the target on held-out windows, plus the acceptance length a
     greedy chain of `steps` drafts would get if the per-step agreements were independent (an estimate)."""
     head.eval()
@@ -44,7 +47,7 @@ def evaluate(head: Eagle3Head, target: LlamaLM, windows: torch.Tensor, layers, s
     for i in range(0, len(windows), batch):
         w = windows[i:i + batch].to(next(head.parameters()).device)
         with common.autocast(w.device.type):
-            aux, tl = target_features(target, w, layers)
+            aux, tl = features(target, w, layers)
             _, c, a = ttt_loss(head, aux, w, tl, steps)
         for j in range(steps):
             ces[j] += c[j] * len(w)
@@ -66,15 +69,12 @@ def train(args) -> dict:
     target = load_llama(args.target).to(args.device).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    layers = aux_layer_ids(target.spec.num_hidden_layers)
-    draft_ids = None
-    if args.draft_vocab and args.draft_vocab < target.spec.vocab_size:
-        draft_ids = select_draft_vocab(train_stream, target.spec.vocab_size, args.draft_vocab)
-        share = float(torch.isin(torch.as_tensor(train_stream).long(), draft_ids).float().mean())
-        print(f"[{args.name}] draft vocabulary: the {args.draft_vocab} most frequent of {target.spec.vocab_size} "
-              f"ids ({share:.1%} of training tokens)", flush=True)
-    head = Eagle3Head(head_spec(target.spec), target.spec.hidden_size, target.model.embed_tokens.weight, draft_ids)
-    head.init_from_target(target)
+    if args.head == "eagle1":
+        head = eagle1.Eagle1Head(head_spec(target.spec), target, args.fc_bias)
+        layers, features = (), eagle1.target_features
+    else:
+        head = _eagle3_head(args, target, train_stream)
+        layers, features = aux_layer_ids(target.spec.num_hidden_layers), target_features
     head.to(args.device)
     opt = common.make_optimizer(head, args.lr, args.weight_decay)
     src = common.BatchSource(train_stream, args.batch_size, args.seq_len, args.seed)
@@ -86,7 +86,8 @@ def train(args) -> dict:
     log = common.Logger(run_dir)
     loaded = common.load_checkpoint(ckpt, head, opt)
     st = loaded[0] if loaded else common.RunState()
-    print(f"[{args.name}] head params {count_params(head) - head.embed_tokens.weight.numel()} (+frozen embedding),"
+    frozen = sum(p.numel() for p in head.parameters() if not p.requires_grad)
+    print(f"[{args.name}] head params {count_params(head) - frozen} (+{frozen} frozen from the target),"
           f" aux layers {layers}, ttt steps {args.ttt_steps}" + (f"; resumed at step {st.step}" if loaded else ""),
           flush=True)
     if st.total_steps == 0 and args.tokens:
@@ -100,7 +101,7 @@ def train(args) -> dict:
         common.set_lr(opt, sched.lr(st.step))
         w = src.batch(st.step).to(args.device)
         with common.autocast(args.device):
-            aux, tl = target_features(target, w, layers)
+            aux, tl = features(target, w, layers)
             loss, ces, accs = ttt_loss(head, aux, w, tl, args.ttt_steps, row_stride=args.row_stride)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], 1.0)
@@ -125,7 +126,7 @@ def train(args) -> dict:
                 + f" lr {sched.lr(st.step):.2e} {tps:.0f} tok/s ETA {common.fmt_eta(eta)}")
         done = st.total_steps and st.step >= st.total_steps
         if time.time() - last_eval > args.eval_every_s or done:
-            r = evaluate(head, target, ev, layers, args.eval_steps)
+            r = evaluate(head, target, ev, layers, args.eval_steps, features=features)
             st.history.append(dict(r, step=st.step))
             log(dict(r, kind="eval", step=st.step), f"[{args.name}] EVAL {r}")
             last_eval = time.time()
@@ -140,12 +141,27 @@ def train(args) -> dict:
                **st.history[-1]}
     log(dict(summary, kind="final"), f"[{args.name}] FINAL {summary}")
     if not args.no_export:
-        export_eagle3(head.cpu(), target.spec, args.out, layers, training_info={
-            "tokens": st.tokens, "ttt_steps": args.ttt_steps, "lr": args.lr, "seed": args.seed,
-            "draft_vocab": head.draft_vocab_size,
-            "heldout_top1_per_step": summary["heldout_top1"], "target": _repo_relative(args.target)})
+        info = {"tokens": st.tokens, "ttt_steps": args.ttt_steps, "lr": args.lr, "seed": args.seed,
+                "draft_vocab": head.draft_vocab_size,
+                "heldout_top1_per_step": summary["heldout_top1"], "target": _repo_relative(args.target)}
+        if args.head == "eagle1":
+            export_eagle1(head.cpu(), args.out, training_info=info)
+        else:
+            export_eagle3(head.cpu(), target.spec, args.out, layers, training_info=info)
         print(f"[{args.name}] exported {args.out}", flush=True)
     return summary
+
+
+def _eagle3_head(args, target: LlamaLM, train_stream) -> Eagle3Head:
+    draft_ids = None
+    if args.draft_vocab and args.draft_vocab < target.spec.vocab_size:
+        draft_ids = select_draft_vocab(train_stream, target.spec.vocab_size, args.draft_vocab)
+        share = float(torch.isin(torch.as_tensor(train_stream).long(), draft_ids).float().mean())
+        print(f"[{args.name}] draft vocabulary: the {args.draft_vocab} most frequent of {target.spec.vocab_size} "
+              f"ids ({share:.1%} of training tokens)", flush=True)
+    head = Eagle3Head(head_spec(target.spec), target.spec.hidden_size, target.model.embed_tokens.weight, draft_ids)
+    head.init_from_target(target)
+    return head
 
 
 def _repo_relative(path: Path) -> str:
@@ -156,11 +172,14 @@ def _repo_relative(path: Path) -> str:
         return str(path)
 
 
-def main(argv=None):
+def main(argv=None, head: str = "eagle3"):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--head", choices=["eagle3", "eagle1"], default=head)
+    ap.add_argument("--fc-bias", action=argparse.BooleanOptionalAction, default=True,
+                    help="eagle1: fc carries a bias (the Vicuna/LLaMA2 heads do; the LLaMA3 heads do not)")
     ap.add_argument("--target", type=Path, default=common.REPO / "models" / "target")
-    ap.add_argument("--out", type=Path, default=common.REPO / "models" / "eagle3")
-    ap.add_argument("--name", default="eagle3")
+    ap.add_argument("--out", type=Path, default=None, help="default models/eagle3 (eagle1: models/eagle)")
+    ap.add_argument("--name", default=None, help="run name under runs/ (default: the head kind)")
     ap.add_argument("--no-export", action="store_true")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -184,7 +203,10 @@ def main(argv=None):
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu or cuda; bf16 autocast where common.precision says so")
-    train(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    args.out = args.out or common.REPO / "models" / ("eagle" if args.head == "eagle1" else "eagle3")
+    args.name = args.name or args.head
+    return train(args)
 
 
 if __name__ == "__main__":

@@ -212,7 +212,7 @@ def build_context(cfg: EngineConfig, model_dir: Path | None, tok_dir: Path, mcfg
     return BuildContext(target_cfg=mcfg, model_dir=model_dir, tokenizer_dir=tok_dir, draft_dir=draft_dir,
                         eagle3_dir=eagle3_dir, block_size=cfg.block_size, kv_dtype=kv_dtype, model_dtype=dtype,
                         stash_states=cfg.enable_prefix_caching, suffix_cache_tokens=cfg.suffix_cache_tokens,
-                        suffix_scope=cfg.suffix_scope)
+                        suffix_scope=cfg.suffix_scope, eagle_dir=resolve_eagle1(cfg, model_dir))
 
 
 def resolve_drafters(cfg: EngineConfig, model_dir: Path | None) -> tuple[str | None, str | None]:
@@ -225,3 +225,11 @@ def resolve_drafters(cfg: EngineConfig, model_dir: Path | None) -> tuple[str | N
         if eagle3_dir is None and family.has("eagle3"):
             eagle3_dir = str(family.eagle3)
     return draft_dir, eagle3_dir
+
+
+def resolve_eagle1(cfg: EngineConfig, model_dir: Path | None) -> str | None:
+    """The EAGLE-1 head dir: --eagle, else the embedded family's when serving its target."""
+    if cfg.eagle is None and cfg.model is None and model_dir is not None:
+        family = embedded.require(cfg.models_dir)
+        return str(family.eagle) if family.has("eagle") else None
+    return cfg.eagle

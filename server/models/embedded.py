@@ -40,6 +40,11 @@ class EmbeddedFamily:
     def eagle3(self) -> Path:
         return self.root / "eagle3"
 
+    @property
+    def eagle(self) -> Path:
+        """The EAGLE-1 head."""
+        return self.root / "eagle"
+
     def has(self, member: str) -> bool:
         return (getattr(self, member) / "config.json").is_file()
 
