@@ -1,11 +1,13 @@
 """`auto`: each step, each request drafts with the loaded method expected to pay most, or none.
 
-The members are every other loaded method but `prediction` (it needs a request's own prediction).
+The members are every other loaded method but `prediction` (it needs a request's own prediction) and
+`hybrid` (its lookup and its drafter are members themselves).
 Context lookups (suffix, ngram) draft first, in microseconds, so the choice knows whether they have a
-draft and how long it is; a model drafter (draft, eagle3, mtp, hybrid) is assumed to draft k. A chooser
+draft and how long it is; a model drafter (draft, eagle3, eagle, mtp) may draft up to k. A chooser
 then picks per request from those lengths and what the request and the server have accepted per method:
-the engine's goodput policy (server/engine/spec_policy.py `choose_method`: expected tokens per second,
-from the measured step cost and draft cost per depth), else `longest_lookup`. Only the chosen model
+the engine's goodput policy (server/engine/spec_policy.py `choose_methods`: expected tokens per second,
+from the measured step cost and draft cost per depth, a model drafter's forward shared by the requests
+choosing it), else `longest_lookup`. Only the chosen model
 drafter runs; the lookups' drafts are reused.
 
 Why it stays exact: the choice reads the context and past acceptance, never this step's target logits,
