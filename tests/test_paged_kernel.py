@@ -98,3 +98,24 @@ def test_failed_build_falls_back_to_sdpa(monkeypatch):
         attention.configure_backend("paged")
     with pytest.raises(ValueError, match="must be one of"):
         attention.configure_backend("fast")
+
+
+def test_kv_cache_dtype_follows_the_model_under_the_paged_kernel_and_holds_twice(monkeypatch):
+    from specserve.server.kv import kv_cache
+    from specserve.server.models.config import ModelConfig
+    monkeypatch.setattr(kv_cache, "_requested", {"kv_cache_dtype": "auto"})
+    monkeypatch.setattr(attention, "_cpu_choice", {"requested": "auto"})
+    assert attention.configure_backend("paged") == "paged"
+    assert kv_cache.cache_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+    assert kv_cache.cache_dtype(torch.float32, "cpu") == torch.float32
+    attention.configure_backend("sdpa")      # SDPA is not row-stable in bf16: the cache stays fp32
+    assert kv_cache.cache_dtype(torch.bfloat16, "cpu") == torch.float32
+    kv_cache.configure_kv_cache_dtype("bfloat16")
+    assert kv_cache.cache_dtype(torch.float32, "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="must be one of"):
+        kv_cache.configure_kv_cache_dtype("int8")
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+                                 "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "head_dim": 16})
+    fp32 = kv_cache.num_blocks_for_budget(cfg, 16, torch.float32, 1 << 30)
+    assert kv_cache.num_blocks_for_budget(cfg, 16, torch.bfloat16, 1 << 30) == 2 * fp32

@@ -47,16 +47,17 @@ inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-// One cached row (D values) as fp32: a pointer into the cache for fp32, else converted into buf.
-inline const float* load_row(const void* cache, int dtype, int64_t index, int D, float* buf) {
-    if (dtype == 0) return static_cast<const float*>(cache) + index;
-    const uint16_t* src = static_cast<const uint16_t*>(cache) + index;
-    if (dtype == 1) {
-        for (int d = 0; d < D; ++d) buf[d] = bf16_to_f32(src[d]);
+// One cached row (D values) as fp32: a pointer into the cache for fp32, else converted into buf. The
+// dtype is a template parameter so each conversion loop is a branch-free, vectorised loop of its own.
+template <int DT>
+inline const float* load_row(const void* cache, int64_t index, int D, float* buf) {
+    if constexpr (DT == 0) {
+        return static_cast<const float*>(cache) + index;
     } else {
-        for (int d = 0; d < D; ++d) buf[d] = f16_to_f32(src[d]);
+        const uint16_t* src = static_cast<const uint16_t*>(cache) + index;
+        for (int d = 0; d < D; ++d) buf[d] = DT == 1 ? bf16_to_f32(src[d]) : f16_to_f32(src[d]);
+        return buf;
     }
-    return buf;
 }
 
 inline float dot(const float* a, const float* b, int D) {
@@ -109,7 +110,8 @@ inline int64_t slot_index(const Args& a, int64_t seq, int64_t pos, int64_t kvh) 
     return ((block * a.block_size + pos % a.block_size) * a.num_kv_heads + kvh) * a.D;
 }
 
-// Rows j0..j1 of sequence `seq`, query heads of kv head `kvh`.
+// Rows j0..j1 of sequence `seq`, query heads of kv head `kvh`; DT: 0 fp32, 1 bf16, 2 fp16 storage.
+template <int DT>
 void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, Scratch& s) {
     const int64_t D = a.D, rep = a.num_heads / a.num_kv_heads;
     const int64_t seq_len = a.seq_lens[seq], q_start = a.qsl[seq];
@@ -128,7 +130,7 @@ void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, S
         return a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
     };
     for (int64_t n = lo_min; n <= hi_max; ++n) {               // scores, one cached key at a time
-        const float* key = load_row(a.k_cache, a.dtype, slot_index(a, seq, n, kvh), D, s.krow.data());
+        const float* key = load_row<DT>(a.k_cache, slot_index(a, seq, n, kvh), D, s.krow.data());
         for (int64_t r = 0; r < rows; ++r) {
             int64_t pos = ctx0 + j0 + r / rep;
             if (n > pos || n < row_lo(r)) continue;
@@ -148,7 +150,7 @@ void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, S
         inv_sum[r] = 1.0f / sum;
     }
     for (int64_t n = lo_min; n <= hi_max; ++n) {               // weighted values, in position order
-        const float* val = load_row(a.v_cache, a.dtype, slot_index(a, seq, n, kvh), D, s.krow.data());
+        const float* val = load_row<DT>(a.v_cache, slot_index(a, seq, n, kvh), D, s.krow.data());
         for (int64_t r = 0; r < rows; ++r) {
             int64_t pos = ctx0 + j0 + r / rep;
             if (n > pos || n < row_lo(r)) continue;
@@ -172,6 +174,7 @@ extern "C" int specserve_paged_attention(
         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size,
         int64_t window, float scale, float* out, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || D <= 0 || block_size <= 0) return 1;
+    if (dtype < 0 || dtype > 2) return 1;
     Args a{q, k_cache, v_cache, dtype, block_tables, max_blocks, seq_lens, qsl,
            num_heads, num_kv_heads, D, block_size, window, scale, out};
     std::vector<int64_t> items;       // (seq, tile start) pairs; kv heads are the inner index
@@ -187,7 +190,9 @@ extern "C" int specserve_paged_attention(
             int64_t item = w / num_kv_heads, kvh = w % num_kv_heads;
             int64_t seq = items[2 * item], j0 = items[2 * item + 1];
             int64_t j1 = std::min<int64_t>(j0 + TILE, qsl[seq + 1] - qsl[seq]);
-            run_item(a, seq, kvh, j0, j1, scratch);
+            if (a.dtype == 0) run_item<0>(a, seq, kvh, j0, j1, scratch);
+            else if (a.dtype == 1) run_item<1>(a, seq, kvh, j0, j1, scratch);
+            else run_item<2>(a, seq, kvh, j0, j1, scratch);
         }
     }
     return 0;
