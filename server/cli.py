@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from specserve.server.api.lifecycle import LifecycleConfig
 from specserve.server.api.limits import Limits
 from specserve.server.config import (
+    ATTENTION_BACKENDS,
     DTYPES,
+    KV_CACHE_DTYPES,
     METRICS_COMPAT,
     SPECULATION_POLICIES,
     SUFFIX_SCOPES,
@@ -59,6 +61,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV cache block, a power of two (default: %(default)s)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=e.kv_cache_memory_gb, metavar="GB",
                    help="memory for the KV cache; its block count follows (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default=e.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="KV cache storage; auto = the model dtype (a bf16 cache holds twice the tokens of "
+                        "fp32), except fp32 on CPU under the SDPA attention fallback (default: %(default)s)")
+    g.add_argument("--attention-backend", default=e.attention_backend, choices=ATTENTION_BACKENDS,
+                   help="CPU attention: paged = a C++ kernel reading the paged cache in place, built at first "
+                        "start into ~/.cache/specserve/kernels (needs g++); sdpa = torch SDPA over gathered "
+                        "blocks; auto = paged if it builds, else sdpa with the reason logged "
+                        "(default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=e.max_model_len, metavar="N",
                    help="context length (prompt + output). Default: the model's max_position_embeddings")
     g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, metavar="N",

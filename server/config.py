@@ -14,6 +14,8 @@ from specserve.speculators.base import DraftTree, SpecParams
 from specserve.speculators.tree_shape import TREE_MAX_NODES, TREE_METHODS, check_tree
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = DTYPES             # auto = the model dtype where attention is exact in it (kv_cache.cache_dtype)
+ATTENTION_BACKENDS = ("auto", "sdpa", "paged")   # CPU attention (server/models/attention.py)
 SPECULATION_POLICIES = ("goodput", "fixed")
 METRICS_COMPAT = ("none", "vllm")        # server/metrics.py: which other names /metrics carries
 SUFFIX_SCOPES = ("request", "user", "global")
@@ -29,6 +31,8 @@ class EngineConfig:
     device: str = "auto"                   # auto = cuda if available else cpu
     block_size: int = 16                   # tokens per KV block
     kv_cache_memory_gb: float = 1.0        # KV cache budget; number of blocks = budget // bytes per block
+    kv_cache_dtype: str = "auto"           # auto = model dtype (fp32 under the CPU SDPA fallback)
+    attention_backend: str = "auto"        # CPU: auto = the in-place paged kernel if it builds, else sdpa
     max_model_len: int | None = None       # default: the model's max_position_embeddings
     max_num_seqs: int = 64                 # running requests per step
     max_num_batched_tokens: int = 2048     # token budget per step (prefill chunks + decode + drafts)
@@ -62,6 +66,10 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):

@@ -59,20 +59,21 @@ def test_metadata_slots_for_chunk_after_prefix_and_verify():
 
 def test_metadata_groups_short_and_long_queries():
     q_lens = [1, SHORT_QUERY_MAX + 1, 4]
-    attn = build_attention_metadata(q_lens, [9, 30, 4], [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12]], 4, "cpu")
+    attn = build_attention_metadata(q_lens, [9, 30, 4], [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12]], 4, "cpu",
+                                    backend="sdpa")
     assert [(s.token_start, s.token_end, s.prefix_len) for s in attn.long] == [(1, 18, 13)]
     [short] = attn.short_groups
     assert (short.num_seqs, short.max_q, short.num_blocks) == (2, 4, 3)
     assert short.token_index.tolist() == [[0, 0, 0, 0], [18, 19, 20, 21]]  # padded rows repeat the last query
     assert short.valid_dst.tolist() == [0, 18, 19, 20, 21]
-    uniform = build_attention_metadata([2, 2], [5, 2], [[3, 4], [5]], 4, "cpu")
+    uniform = build_attention_metadata([2, 2], [5, 2], [[3, 4], [5]], 4, "cpu", backend="sdpa")
     assert uniform.short_groups[0].token_index is None and not uniform.long
 
 
 def test_short_sequences_with_very_different_contexts_are_bucketed():
     # contexts of 7, 250, 7, 7 blocks: padding all to 250 would gather ~9x more K/V than needed
     tables = [list(range(i * 250, i * 250 + 250)) for i in range(4)]
-    attn = build_attention_metadata([1, 2, 1, 1], [28, 1000, 25, 26], tables, 4, "cpu")
+    attn = build_attention_metadata([1, 2, 1, 1], [28, 1000, 25, 26], tables, 4, "cpu", backend="sdpa")
     assert [g.num_blocks for g in attn.short_groups] == [250, 7]
     assert [g.num_seqs for g in attn.short_groups] == [2, 2]
     assert sorted(i for g in attn.short_groups for i in g.valid_dst.tolist()) == list(range(5))
@@ -174,10 +175,17 @@ MIXED = [
 ]  # the last two split the short queries into two buckets
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "paged"])
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("window", [None, 3])
-def test_paged_sdpa_mixed_batch_matches_naive(num_kv_heads, window):
-    run_paged_case(MIXED, num_kv_heads, window)
+def test_paged_sdpa_mixed_batch_matches_naive(num_kv_heads, window, backend):
+    run_paged_case(MIXED, num_kv_heads, window, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_kernel_reduced_precision_cache_matches_naive(dtype):
+    run_paged_case(MIXED, num_kv_heads=2, window=None, backend="paged", dtype=dtype)
+    run_paged_case(MIXED, num_kv_heads=2, window=3, backend="paged", dtype=dtype)
 
 
 @pytest.mark.parametrize(
@@ -189,9 +197,10 @@ def test_paged_sdpa_mixed_batch_matches_naive(num_kv_heads, window):
         [(17, 1)] * 16,  # a full decode batch sharing one mask shape
     ],
 )
-def test_paged_sdpa_uniform_and_single_paths(plan):
-    run_paged_case(plan, num_kv_heads=2, window=None)
-    run_paged_case(plan, num_kv_heads=2, window=5)
+@pytest.mark.parametrize("backend", ["sdpa", "paged"])
+def test_paged_sdpa_uniform_and_single_paths(plan, backend):
+    run_paged_case(plan, num_kv_heads=2, window=None, backend=backend)
+    run_paged_case(plan, num_kv_heads=2, window=5, backend=backend)
 
 
 def test_decode_row_is_bit_identical_to_the_same_row_in_a_verify():
@@ -206,7 +215,7 @@ def test_decode_row_is_bit_identical_to_the_same_row_in_a_verify():
     k, v = torch.randn(5, 2, HEAD_DIM, generator=gen), torch.randn(5, 2, HEAD_DIM, generator=gen)
     outs = []
     for q_len in (1, 5):  # same two blocks, so the same padded key length L = 32
-        attn = build_attention_metadata([q_len], [22 + q_len], [[6, 3]], 16, "cpu")
+        attn = build_attention_metadata([q_len], [22 + q_len], [[6, 3]], 16, "cpu", backend="sdpa")
         outs.append(paged_attention(q[:q_len], k[:q_len], v[:q_len], (k_cache, v_cache), attn, HEAD_DIM**-0.5))
     assert torch.equal(outs[0][0], outs[1][0])
 

@@ -17,8 +17,9 @@ from specserve.server.engine.spec_dispatch import SpecDispatcher
 from specserve.server.engine.spec_policy import calibrated_policy
 from specserve.server.engine.tokenizer import Tokenizer
 from specserve.server.kv.block_manager import BlockManager
-from specserve.server.kv.kv_cache import cache_dtype, kv_cache_bytes_per_block
+from specserve.server.kv.kv_cache import cache_dtype, configure_kv_cache_dtype, kv_cache_bytes_per_block
 from specserve.server.models import embedded
+from specserve.server.models.attention import configure_backend
 from specserve.speculators import registry
 from specserve.speculators.base import BuildContext
 
@@ -108,6 +109,8 @@ def _assemble(cfg: EngineConfig, model, mcfg, name: str, model_dir: Path | None,
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {mcfg.vocab_size}")
     max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     budget = int(cfg.kv_cache_memory_gb * (1 << 30))
+    backend = configure_backend(cfg.attention_backend) if device.type == "cpu" else "flash/sdpa (CUDA)"
+    configure_kv_cache_dtype(cfg.kv_cache_dtype)
     # One budget for everyone: each target block comes with one block in every drafter's own cache.
     kv_dtype = cache_dtype(dtype, device)
     # Per rank under tensor parallelism: each holds its KV heads of every block (model.config, the shard's).
@@ -118,9 +121,9 @@ def _assemble(cfg: EngineConfig, model, mcfg, name: str, model_dir: Path | None,
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-memory-gb {cfg.kv_cache_memory_gb} holds no KV block "
                          f"({target_bpb + drafter_bpb} bytes each); raise it")
-    log.info("model %s: %s, %s on %s (KV cache %s), %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
-             name, mcfg.architecture, dtype, device, kv_dtype, num_blocks, cfg.block_size,
-             cfg.kv_cache_memory_gb, max_len)
+    log.info("model %s: %s, %s on %s (KV cache %s, attention %s), %d KV blocks of %d tokens = %d KV tokens "
+             "(%.2f GiB), max_model_len %d", name, mcfg.architecture, dtype, device, kv_dtype, backend,
+             num_blocks, cfg.block_size, num_blocks * cfg.block_size, cfg.kv_cache_memory_gb, max_len)
     if session is not None:
         from specserve.server.engine.tp_runner import TPModelRunner
         runner = TPModelRunner(model, num_blocks, cfg.block_size, dtype, device, session)

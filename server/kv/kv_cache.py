@@ -8,22 +8,35 @@ from __future__ import annotations
 
 import torch
 
+from specserve.server.models.attention import cpu_backend
 from specserve.server.models.config import ModelConfig
+
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_requested = {"kv_cache_dtype": "auto"}     # set once at start-up (--kv-cache-dtype)
+
+
+def configure_kv_cache_dtype(name: str) -> None:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv cache dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {name!r}")
+    _requested["kv_cache_dtype"] = name
 
 
 def cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """The KV cache (and attention) dtype of a model that runs in `dtype`.
+    """The KV cache dtype of a model that runs in `dtype` (`--kv-cache-dtype`; auto follows the model).
 
-    On CPU a bf16/fp16 model still keeps K/V and attends in fp32: CPU SDPA's reduced-precision kernels
-    round each query row differently depending on how many keys and rows are in the call (padding of a
-    batch, drafts in a verify step), so a token's attention would change with speculation and flip
-    greedy choices often (tests/test_engine_speculative.py). In fp32 the difference stays at ~1e-7; the
-    cast of the attention output back to bf16 still flips a rare near-tie, which is why `--dtype auto`
-    stays fp32 on CPU (builder.pick_dtype). Costs 2x KV memory against a bf16 cache; the matmuls keep
-    their bf16 speed.
+    auto on CPU follows the model only with the paged kernel (attention.cpu_backend() == "paged"): it
+    reads bf16/fp16 K/V and accumulates in fp32 in a fixed order per row. Under the SDPA fallback a
+    bf16/fp16 model keeps K/V and attends in fp32, because CPU SDPA's reduced-precision kernels round each
+    query row differently with the number of keys and rows in the call (batch padding, drafts in a
+    verify step), which flipped greedy tokens (tests/test_engine_speculative.py).
     CUDA keeps the model dtype (flash-attn needs it).
     """
-    return torch.float32 if torch.device(device).type == "cpu" else dtype
+    explicit = KV_CACHE_DTYPES[_requested["kv_cache_dtype"]]
+    if explicit is not None:
+        return explicit
+    if torch.device(device).type == "cpu" and cpu_backend() != "paged":
+        return torch.float32
+    return dtype
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -10,7 +10,10 @@ Backends (picked per device from what is importable; the choice is logged once a
 - "flash": flash-attn varlen. With block_size % 256 == 0 it reads the paged cache directly
   (block_table=); otherwise (upstream FA2 only pages in 256-token blocks) the context K/V are first
   gathered into one contiguous varlen buffer with slot indices precomputed in the metadata.
-- "sdpa": torch scaled_dot_product_attention, the CPU path every test runs. Short queries
+- "paged": the CPU kernel of paged_kernel.py, reading the paged cache in place (block table, no gather,
+  no padding) in fp32, bf16 or fp16 storage with a fixed per-row reduction order; the CPU default when it
+  builds (`--attention-backend auto`), else SDPA with the reason logged.
+- "sdpa": torch scaled_dot_product_attention, the reference every test compares against. Short queries
   (q <= SHORT_QUERY_MAX: decode and verify) are padded into ONE batched call per layer (a few
   calls when context lengths differ wildly, see attention_metadata._bucket_short); long prefill
   chunks get one call each.
@@ -22,6 +25,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from specserve.server.models import paged_kernel
 from specserve.server.models.attention_metadata import (
     FLASH_PAGED_BLOCK_MULTIPLE,
     SHORT_QUERY_MAX,
@@ -36,7 +40,10 @@ __all__ = [
     "FLASH_PAGED_BLOCK_MULTIPLE",
     "SHORT_QUERY_MAX",
     "AttentionMetadata",
+    "ATTENTION_BACKENDS",
     "build_attention_metadata",
+    "configure_backend",
+    "cpu_backend",
     "default_backend",
     "paged_attention",
 ]
@@ -53,12 +60,35 @@ if torch.cuda.is_available():  # flash-attn is CUDA-only: never even imported on
         FLASH_ATTN_AVAILABLE = True
     except ImportError as exc:  # pragma: no cover - depends on the machine
         logger.warning("CUDA is available but flash_attn is not importable (%s); using torch SDPA", exc)
-logger.info("attention backend: %s", "flash-attn on CUDA, torch SDPA on CPU" if FLASH_ATTN_AVAILABLE
-            else "torch SDPA")
+logger.info("attention backend on CUDA: %s", "flash-attn" if FLASH_ATTN_AVAILABLE else "torch SDPA")
+
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "paged")
+_cpu_choice = {"requested": "auto"}     # set once at start-up by configure_backend (--attention-backend)
+
+
+def configure_backend(name: str) -> str:
+    """Pick the CPU backend for this process: auto (paged if its kernel builds, else sdpa), sdpa or paged
+    (an error if the kernel cannot be built). Returns the backend CPU steps will use."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "paged" and paged_kernel.load() is None:
+        raise RuntimeError(f"--attention-backend paged: the kernel does not build: {paged_kernel.load_error()}")
+    _cpu_choice["requested"] = name
+    return cpu_backend()
+
+
+def cpu_backend() -> str:
+    """"paged" or "sdpa": what CPU steps run (auto resolves to paged when the kernel builds)."""
+    if _cpu_choice["requested"] == "sdpa":
+        return "sdpa"
+    return "paged" if paged_kernel.load() is not None else "sdpa"
 
 
 def default_backend(device: torch.device | str) -> str:
-    return "flash" if FLASH_ATTN_AVAILABLE and torch.device(device).type == "cuda" else "sdpa"
+    if torch.device(device).type == "cuda":
+        return "flash" if FLASH_ATTN_AVAILABLE else "sdpa"
+    return cpu_backend()
 
 
 def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -67,7 +97,7 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
     """Once per forward. Example: query_lens [3, 1], seq_lens [3, 6], block_size 4,
     block_tables [[7], [2, 5]] -> positions [0 1 2 5], slot_mapping [28 29 30 21], query_start_loc [0 3 4].
 
-    `backend` overrides the device default ("sdpa" | "flash"); tests use it to compare the two.
+    `backend` overrides the device default ("sdpa" | "paged" | "flash"); tests use it to compare them.
     """
     return build_metadata(query_lens, seq_lens, block_tables, block_size, torch.device(device),
                           backend or default_backend(device))
@@ -86,12 +116,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache, v_cache = kv_cache
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     out_dtype = q.dtype
-    if k_cache.dtype != q.dtype:     # a bf16 model on CPU attends in fp32 (server/kv/kv_cache.cache_dtype)
-        q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)             # [num_slots, kv_heads, head_dim]
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, attn.slot_mapping, k)
-    v_flat.index_copy_(0, attn.slot_mapping, v)
+    k_flat.index_copy_(0, attn.slot_mapping, k.to(k_cache.dtype))
+    v_flat.index_copy_(0, attn.slot_mapping, v.to(k_cache.dtype))
+    if attn.backend == "paged":   # fp32 accumulation whatever the cache holds
+        return paged_kernel.paged_attention_cpu(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
+                                                attn.query_start_loc, scale, window).to(out_dtype)
+    if k_cache.dtype != q.dtype:     # SDPA attends in the cache dtype (fp32 for a bf16 model, kv_cache.cache_dtype)
+        q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
     if attn.backend == "flash":
         return _flash(q, k_cache, v_cache, attn, scale, window)
     return _sdpa(q, k, v, k_cache, v_cache, attn, scale, window).to(out_dtype)

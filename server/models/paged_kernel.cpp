@@ -1,0 +1,199 @@
+// Paged causal attention on CPU that reads the KV cache in place (see paged_kernel.py for the why).
+//
+// Layout: q [num_tokens, num_heads, D] fp32; k_cache / v_cache [num_blocks, block_size, num_kv_heads, D]
+// in fp32, bf16 or fp16; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32;
+// query_start_loc [num_seqs + 1] int32; out [num_tokens, num_heads, D] fp32.
+//
+// Determinism: every query row is computed by the same straight-line code whatever else is in the call.
+// Its scores are q.k dot products with a fixed 16-lane split of the head dimension, its softmax
+// normaliser and its output are sums over its visible keys in position order, and the work split
+// (sequence, kv head, tile of TILE queries) only decides which thread computes a row, never how.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int TILE = 16;     // query rows of one sequence per work item
+constexpr int LANES = 16;    // partial sums of a dot product (two AVX2 registers)
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);            // inf / nan
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);   // normal: rebias 15 -> 127
+    } else if (man == 0) {
+        bits = sign;                                        // +-0
+    } else {                                                // subnormal: normalise
+        int e = -1;
+        do { man <<= 1; ++e; } while ((man & 0x400u) == 0);
+        bits = sign | ((112u - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// One cached row (D values) as fp32: a pointer into the cache for fp32, else converted into buf. The
+// dtype is a template parameter so each conversion loop is a branch-free, vectorised loop of its own.
+template <int DT>
+inline const float* load_row(const void* cache, int64_t index, int D, float* buf) {
+    if constexpr (DT == 0) {
+        return static_cast<const float*>(cache) + index;
+    } else {
+        const uint16_t* src = static_cast<const uint16_t*>(cache) + index;
+        for (int d = 0; d < D; ++d) buf[d] = DT == 1 ? bf16_to_f32(src[d]) : f16_to_f32(src[d]);
+        return buf;
+    }
+}
+
+inline float dot(const float* a, const float* b, int D) {
+    float acc[LANES] = {0.f};
+    int d = 0;
+    for (; d + LANES <= D; d += LANES) {
+        for (int l = 0; l < LANES; ++l) acc[l] += a[d + l] * b[d + l];
+    }
+    for (int l = 0; d < D; ++d, ++l) acc[l] += a[d] * b[d];
+    for (int w = LANES / 2; w > 0; w /= 2) {                 // fixed pairwise tree
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+    }
+    return acc[0];
+}
+
+// exp(x) for x <= 0 (scores minus their row max), vectorisable: Cody-Waite range reduction by ln 2
+// and a degree-6 polynomial (~1 ulp), scaled by 2^k through the exponent bits.
+inline void exp_nonpositive(float* x, int n) {
+    for (int i = 0; i < n; ++i) {
+        float v = std::max(x[i], -87.0f);
+        float k = (v * 1.44269504f + 12582912.0f) - 12582912.0f;   // round to nearest integer
+        float r = v - k * 0.693359375f;
+        r = r + k * 2.12194440e-4f;
+        float p = 1.9875691500e-4f;
+        p = p * r + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        p = p * (r * r) + r + 1.0f;
+        int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+        float scale;
+        std::memcpy(&scale, &bits, 4);
+        x[i] = p * scale;
+    }
+}
+
+struct Args {
+    const float* q; const void* k_cache; const void* v_cache; int dtype;
+    const int32_t* block_tables; int64_t max_blocks; const int32_t* seq_lens; const int32_t* qsl;
+    int64_t num_heads, num_kv_heads, D, block_size, window; float scale; float* out;
+};
+
+struct Scratch {
+    std::vector<float> scores, acc, krow;
+};
+
+inline int64_t slot_index(const Args& a, int64_t seq, int64_t pos, int64_t kvh) {
+    int64_t block = a.block_tables[seq * a.max_blocks + pos / a.block_size];
+    return ((block * a.block_size + pos % a.block_size) * a.num_kv_heads + kvh) * a.D;
+}
+
+// Rows j0..j1 of sequence `seq`, query heads of kv head `kvh`; DT: 0 fp32, 1 bf16, 2 fp16 storage.
+template <int DT>
+void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, Scratch& s) {
+    const int64_t D = a.D, rep = a.num_heads / a.num_kv_heads;
+    const int64_t seq_len = a.seq_lens[seq], q_start = a.qsl[seq];
+    const int64_t ctx0 = seq_len - (a.qsl[seq + 1] - q_start);   // position of query 0
+    const int64_t lo_min = a.window > 0 ? std::max<int64_t>(0, ctx0 + j0 - a.window + 1) : 0;
+    const int64_t hi_max = ctx0 + j1 - 1;
+    const int64_t span = hi_max - lo_min + 1, rows = (j1 - j0) * rep;
+    s.scores.resize(rows * span);
+    s.acc.assign(rows * D, 0.f);
+    s.krow.resize(D);
+    auto qrow = [&](int64_t r) {       // row r = (query j0 + r / rep, head kvh * rep + r % rep)
+        return a.q + ((q_start + j0 + r / rep) * a.num_heads + kvh * rep + r % rep) * D;
+    };
+    auto row_lo = [&](int64_t r) {
+        int64_t pos = ctx0 + j0 + r / rep;
+        return a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+    };
+    for (int64_t n = lo_min; n <= hi_max; ++n) {               // scores, one cached key at a time
+        const float* key = load_row<DT>(a.k_cache, slot_index(a, seq, n, kvh), D, s.krow.data());
+        for (int64_t r = 0; r < rows; ++r) {
+            int64_t pos = ctx0 + j0 + r / rep;
+            if (n > pos || n < row_lo(r)) continue;
+            s.scores[r * span + (n - lo_min)] = dot(qrow(r), key, D) * a.scale;
+        }
+    }
+    std::vector<float> inv_sum(rows);
+    for (int64_t r = 0; r < rows; ++r) {                         // softmax numerators, in position order
+        int64_t lo = row_lo(r) - lo_min, hi = ctx0 + j0 + r / rep - lo_min;
+        float* sc = s.scores.data() + r * span;
+        float m = sc[lo];
+        for (int64_t n = lo + 1; n <= hi; ++n) m = std::max(m, sc[n]);
+        for (int64_t n = lo; n <= hi; ++n) sc[n] -= m;
+        exp_nonpositive(sc + lo, static_cast<int>(hi - lo + 1));
+        float sum = 0.f;
+        for (int64_t n = lo; n <= hi; ++n) sum += sc[n];
+        inv_sum[r] = 1.0f / sum;
+    }
+    for (int64_t n = lo_min; n <= hi_max; ++n) {               // weighted values, in position order
+        const float* val = load_row<DT>(a.v_cache, slot_index(a, seq, n, kvh), D, s.krow.data());
+        for (int64_t r = 0; r < rows; ++r) {
+            int64_t pos = ctx0 + j0 + r / rep;
+            if (n > pos || n < row_lo(r)) continue;
+            float p = s.scores[r * span + (n - lo_min)];
+            float* acc = s.acc.data() + r * D;
+            for (int64_t d = 0; d < D; ++d) acc[d] += p * val[d];
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        float* dst = a.out + ((q_start + j0 + r / rep) * a.num_heads + kvh * rep + r % rep) * D;
+        const float* acc = s.acc.data() + r * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[d] * inv_sum[r];
+    }
+}
+
+}  // namespace
+
+extern "C" int specserve_paged_attention(
+        const float* q, const void* k_cache, const void* v_cache, int dtype,
+        const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens, const int32_t* qsl,
+        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size,
+        int64_t window, float scale, float* out, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || D <= 0 || block_size <= 0) return 1;
+    if (dtype < 0 || dtype > 2) return 1;
+    Args a{q, k_cache, v_cache, dtype, block_tables, max_blocks, seq_lens, qsl,
+           num_heads, num_kv_heads, D, block_size, window, scale, out};
+    std::vector<int64_t> items;       // (seq, tile start) pairs; kv heads are the inner index
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        for (int64_t j = 0; j < qsl[i + 1] - qsl[i]; j += TILE) { items.push_back(i); items.push_back(j); }
+    }
+    const int64_t num_items = static_cast<int64_t>(items.size() / 2) * num_kv_heads;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        Scratch scratch;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < num_items; ++w) {
+            int64_t item = w / num_kv_heads, kvh = w % num_kv_heads;
+            int64_t seq = items[2 * item], j0 = items[2 * item + 1];
+            int64_t j1 = std::min<int64_t>(j0 + TILE, qsl[seq + 1] - qsl[seq]);
+            if (a.dtype == 0) run_item<0>(a, seq, kvh, j0, j1, scratch);
+            else if (a.dtype == 1) run_item<1>(a, seq, kvh, j0, j1, scratch);
+            else run_item<2>(a, seq, kvh, j0, j1, scratch);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,139 @@
+"""CPU paged attention that reads the KV cache in place: a small C++ kernel built on the machine that runs it.
+
+Why a hand-written kernel: the SDPA path (attention.py) gathers every sequence's K/V blocks into a padded
+buffer per layer per step, and torch's CPU SDPA rounds a query row differently with the number of keys and
+rows in the call in bf16, which is why a bf16 model kept an fp32 cache. This kernel walks each sequence's
+block table directly (no gather, no padding to the longest context) and reads fp32, bf16 or fp16 K/V,
+accumulating in fp32 in one FIXED order per query row: a dot product split over 16 fixed lanes, softmax
+sums and the weighted value sum over the row's visible keys in position order. The work is split over
+(sequence, kv head, tile of 16 queries) and the split only picks the thread, never the arithmetic, so a
+row is bit-identical alone or in any batch, with any number of drafts beside it.
+
+Considered instead: FlexAttention (CPU inductor code generation compiles per block-mask shape and takes
+tens of seconds per graph on 2 cores, and its reduction tiling follows the key count, so the fixed-order
+guarantee would have to be re-proved per torch release); a torch C++ extension (torch/extension.h makes
+one build take about a minute on 2 cores and needs ninja). This source includes only the C++ standard
+library, builds in about two seconds with g++ and is called through ctypes.
+
+Build: at first use, `g++ -O3 -march=native -fopenmp` into a cache folder keyed by the source, the
+compiler and the CPU (SPECSERVE_KERNEL_CACHE, default ~/.cache/specserve/kernels), so an image built on
+one machine still gets code for the CPU it runs on; -march=native falls back to generic -O3. OpenMP
+resolves to the libgomp torch has already loaded (same soname), so the kernel shares torch's threads.
+If no compiler works, `load()` returns None with the reason logged, and attention.py falls back to SDPA.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_kernel.cpp")
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}      # "lib": ctypes.CDLL | None, "error": str
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECSERVE_KERNEL_CACHE", Path.home() / ".cache" / "specserve" / "kernels"))
+
+
+def _cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_signature().encode()).hexdigest()[:16]
+    target = cache_dir() / f"paged_kernel-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in FLAG_SETS:
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [compiler, *flags, "-fopenmp", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o", str(out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode == 0:
+                os.replace(out, target)      # atomic: concurrent builders never see a half-written file
+                return target
+            errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-400:]}")
+    raise RuntimeError("; ".join(errors))
+
+
+def load() -> ctypes.CDLL | None:
+    """The built kernel, or None (the reason is logged once and kept in `load_error()`)."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]
+        lib = None
+        try:
+            compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+            if compiler is None:
+                raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) on PATH")
+            lib = ctypes.CDLL(str(_build(compiler)))
+            fn = lib.specserve_paged_attention
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                           ctypes.c_float, ptr, ctypes.c_int]
+            fn.restype = ctypes.c_int
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            _state["error"] = str(exc)
+            logger.warning("paged attention kernel unavailable, torch SDPA serves attention instead: %s", exc)
+            lib = None
+        _state["lib"] = lib
+        return lib
+
+
+def load_error() -> str | None:
+    return _state.get("error")
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        scale: float, window: int | None) -> torch.Tensor:
+    """q: [num_tokens, heads, d] (any float dtype); k_cache, v_cache: [num_blocks, block_size, kv_heads, d]
+    in fp32/bf16/fp16; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32;
+    query_start_loc [num_seqs + 1] int32. Returns fp32 [num_tokens, heads, d].
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"paged attention kernel unavailable: {load_error()}")
+    if not all(t.device.type == "cpu" for t in (q, k_cache, v_cache, block_tables)):
+        raise ValueError("the paged kernel runs on CPU tensors only")
+    if k_cache.dtype not in KV_DTYPE_CODES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"KV cache dtype must be one of {list(KV_DTYPE_CODES)}, got {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    qf = q.to(torch.float32).contiguous()                                     # [num_tokens, heads, d]
+    tables = block_tables.to(torch.int32).contiguous()                        # [num_seqs, max_blocks]
+    lens = seq_lens.to(torch.int32).contiguous()                              # [num_seqs]
+    qsl = query_start_loc.to(torch.int32).contiguous()                        # [num_seqs + 1]
+    out = torch.empty_like(qf)                                                # [num_tokens, heads, d]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    rc = lib.specserve_paged_attention(
+        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV_DTYPE_CODES[k_cache.dtype],
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), qsl.data_ptr(), lens.shape[0],
+        q.shape[1], num_kv_heads, head_dim, block_size, window or 0, scale, out.data_ptr(),
+        torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"paged attention: {q.shape[1]} heads do not group over {num_kv_heads} kv heads")
+    return out
