@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from training.eagle3 import ttt_mask
 from training.model import MLP, Attention, LlamaLM, LlamaSpec, RMSNorm, rope_cos_sin
 
 
@@ -86,9 +87,7 @@ class Eagle1Head(nn.Module):
             q, k, v = attn.qkv(a, cos, sin)
             keys.append(k)
             values.append(v)
-            # mask [T, (j+1)*T]: causal over step-0 keys, diagonal over the keys of steps 1..j (as eagle3.py)
-            mask = torch.cat([torch.ones(T, T, dtype=torch.bool, device=dev).tril()]
-                             + [torch.eye(T, dtype=torch.bool, device=dev)] * j, dim=1)
+            mask = ttt_mask(T, j, dev)
             h = a + attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             outs.append(h)

@@ -51,6 +51,13 @@ class Midlayer(nn.Module):
         self.mlp = MLP(spec)
 
 
+def ttt_mask(T: int, j: int, device) -> torch.Tensor:
+    """[T, (j+1)*T] attention mask of unrolled draft step j: causal over the step-0 keys, diagonal over the keys
+    of steps 1..j (each position sees only its own earlier draft states)."""
+    return torch.cat([torch.ones(T, T, dtype=torch.bool, device=device).tril()]
+                     + [torch.eye(T, dtype=torch.bool, device=device)] * j, dim=1)
+
+
 def select_draft_vocab(tokens, vocab_size: int, size: int) -> torch.Tensor:
     """The `size` most frequent ids of a token stream, sorted ascending -> [size] int64 (ties: lower id)."""
     if not 0 < size <= vocab_size:
@@ -118,9 +125,7 @@ class Eagle3Head(nn.Module):
             q, k, v = attn.qkv(a, cos, sin)
             keys.append(k)
             values.append(v)
-            # mask [T, (j+1)*T]: causal over step-0 keys, diagonal over the keys of steps 1..j
-            mask = torch.cat([torch.ones(T, T, dtype=torch.bool, device=dev).tril()]
-                             + [torch.eye(T, dtype=torch.bool, device=dev)] * j, dim=1)
+            mask = ttt_mask(T, j, dev)
             h = x + attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask)
             h = h + ml.mlp(ml.post_attention_layernorm(h))
             outs.append(h)

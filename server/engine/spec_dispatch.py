@@ -97,15 +97,17 @@ class SpecDispatcher:
         for (method, by_auto), idx in groups.items():
             ks = [seqs[i].num_draft_slots for i in idx]
             reqs = [seqs[i].request for i in idx]
-            drafter = self._drafter(method, by_auto)
-            drafter.last_catch_up_s = 0.0
+            per_depth = drafts_per_depth(method)
+            drafter = self._drafter(method, by_auto) if per_depth else None
+            if drafter is not None:
+                drafter.last_catch_up_s = 0.0      # the hybrid's drafter may not run this step
             t0 = time.perf_counter()
             if by_auto:
                 proposal = self.speculators["auto"].drafts(method, reqs, ks)
             else:
                 proposal = self.speculators[method].propose(reqs, ks)
             seconds = time.perf_counter() - t0
-            if drafts_per_depth(method):        # a catch-up is no draft step's price
+            if drafter is not None:             # a catch-up is no draft step's price
                 self.learner.observe_propose(method, seconds - drafter.last_catch_up_s, max(ks))
             elif not by_auto:                # auto's lookups ran before it chose (their drafts are reused)
                 self.learner.observe_lookup(method, seconds, len(reqs))

@@ -1,0 +1,173 @@
+"""What drafting costs the goodput policy and `auto`: lookups once per request, model drafters per depth plus
+their follow-up observe, catch-ups apart, a shared forward split by the batch; cut requests probe; acceptance per
+greedy/sampled band."""
+import pytest
+from test_spec_policy import T0, T1, fitted_policy, seq
+
+from specserve.sampling.params import SamplingParams
+from specserve.server.engine.request import Request
+from specserve.server.engine.scheduler import ScheduledSeq
+from specserve.server.engine.spec_policy import PROBE_EVERY, GoodputPolicy
+from specserve.speculators.base import SpecParams
+
+
+def _step(p: GoodputPolicy, s: ScheduledSeq, k: int) -> int:
+    """One scheduling step of a lone request: its slots reset to k, trimmed, the dry count booked."""
+    s.num_draft_slots = k
+    p.trim([s])
+    p.note_drafting([s])
+    return s.num_draft_slots
+
+
+def test_a_request_cut_to_nothing_probes_and_recovers_when_the_probes_are_accepted():
+    """A cut request brings no evidence: without probes an estimate that fell low (one batch of rejected
+    first drafts) stays low for good. Every PROBE_EVERY dry steps it drafts one position; accepted probes
+    lift the estimate until the policy keeps drafting deeper."""
+    p = fitted_policy()
+    for _ in range(50):
+        p.observe_acceptance("suffix", 4, 0)                    # the method's history: all rejected
+    s = seq("a", 4, method="suffix")
+    kept = [_step(p, s, 4) for _ in range(3 * PROBE_EVERY)]
+    assert kept == ([0] * (PROBE_EVERY - 1) + [1]) * 3           # cut, except one position per probe
+    stats = s.request.spec_stats
+    for _ in range(200):                                          # the probes are accepted
+        if _step(p, s, 4):
+            stats.record(s.num_draft_slots, s.num_draft_slots)
+            p.observe_acceptance("suffix", s.num_draft_slots, s.num_draft_slots)
+    assert _step(p, s, 4) == 4
+
+
+def test_a_lookups_cost_is_paid_once_per_request_not_per_depth():
+    p = fitted_policy()
+    p.observe_lookup("suffix", 0.004, 1)                           # 4 ms per request and step
+    assert p.lookup_s["suffix"] == pytest.approx(0.004) and "suffix" not in p.draft_step_s
+    good = seq("g", 8, accepted=90, attempted=100, method="suffix")
+    p.trim([good])
+    assert good.num_draft_slots == 8                               # 4 ms once, then T1 per position
+    p.observe_propose("per-depth", 0.004 * 8, 8)                   # the same 4 ms charged at every depth
+    as_model = seq("m", 8, accepted=90, attempted=100, method="per-depth")
+    p.trim([as_model])
+    assert as_model.num_draft_slots < 8
+    p.lookup_s["suffix"] = 1.0                                     # a lookup dearer than the whole step
+    dear = seq("d", 8, accepted=90, attempted=100, method="suffix")
+    p.trim([dear])
+    assert dear.num_draft_slots == 0
+    # an auto request's lookup already ran before the choice: nothing left to pay but the positions
+    req = Request("auto", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8), SpecParams("auto", 8))
+    req.num_computed_tokens = 2
+    chose = ScheduledSeq(req, 1, 8)
+    p.trim([chose], ["suffix"])
+    assert chose.num_draft_slots > 0
+
+
+def test_greedy_and_sampled_acceptance_are_kept_apart():
+    """A method accepts far less at T = 0.8 than at T = 0: traffic moving from greedy to sampled is not a
+    collapse, and a greedy request's prior does not come from sampled ones."""
+    p = GoodputPolicy()
+    for _ in range(200):
+        p.observe_acceptance("ngram", 4, 4, "greedy")
+    for _ in range(200):
+        p.observe_acceptance("ngram", 4, 0, "sampled")
+    assert p.alpha("ngram", 0, 0, "greedy") > 0.99 and p.alpha("ngram", 0, 0, "sampled") < 0.02
+    assert p.drain_collapses() == {} and not p.is_collapsed("ngram")
+    for _ in range(200):
+        p.observe_acceptance("ngram", 4, 0, "greedy")               # the same fall within one band
+    assert p.drain_collapses() == {"ngram": 1}
+    assert p.is_collapsed("ngram", "greedy") and not p.is_collapsed("ngram", "sampled")
+
+
+def test_auto_rates_each_method_at_its_best_depth():
+    """A model drafter at depth 8 pays 8 draft forwards; at its best depth it beats a lookup that the
+    full-depth rating would prefer."""
+    p = fitted_policy()
+    p.observe_propose("draft", 0.004, 1)
+    alphas = {"draft": 0.85, "ngram": 0.62}
+    p.request_alpha = lambda request, method: alphas[method]
+    lengths = {"draft": 8, "ngram": 4}
+
+    def rate(m, n):
+        d = p.draft_step_s.get(m, 0.0)
+        return sum(alphas[m] ** j for j in range(n + 1)) / (T0 + T1 * (1 + n) + d * n)
+    at_length = max(lengths, key=lambda m: rate(m, lengths[m]))
+    at_best = max(lengths, key=lambda m: max(rate(m, n) for n in range(1, lengths[m] + 1)))
+    assert (at_length, at_best) == ("ngram", "draft")              # the two ratings disagree here
+    assert p.choose_method(seq("r", 8).request, 8, lengths) == "draft"
+
+
+def test_a_catch_up_forward_does_not_read_as_the_price_of_every_draft_step():
+    """A draft model's first propose for a request reads its whole prompt; divided by the depth it would
+    price every later draft step at many times its cost. One sample moves the estimate at most 2x; a real,
+    lasting change still gets through."""
+    p = GoodputPolicy()
+    for _ in range(10):
+        p.observe_propose("draft", 0.004, 4)                       # 1 ms per depth
+    p.observe_propose("draft", 0.400, 4)                           # a 400 ms prompt catch-up
+    assert p.draft_step_s["draft"] == pytest.approx(0.9 * 0.001 + 0.1 * 0.002)
+    for _ in range(60):
+        p.observe_propose("draft", 0.012, 4)                       # the drafter really got 3x slower
+    assert p.draft_step_s["draft"] == pytest.approx(0.003, rel=0.01)
+
+
+def test_auto_prices_a_model_drafter_shared_by_the_batch_that_chooses_it():
+    """16 requests, each with a weak lookup draft (alpha 0.45, 2 tokens) and a model drafter (alpha 0.7,
+    2.6 ms per depth). Priced alone the lookup wins; in the batch each request's share of the step is small
+    and the drafter's forward is paid once by all 16, so the drafter wins; at batch 1 both agree."""
+    t0, t1 = 0.0126, 0.00057
+    p = fitted_policy(t0, t1)
+    p.observe_propose("eagle3", 0.0026, 1)
+    alphas = {"eagle3": 0.7, "ngram": 0.45}
+    p.request_alpha = lambda request, method: alphas[method]
+    lengths = {"eagle3": 8, "ngram": 2}
+    reqs = [seq(f"r{i}", 8).request for i in range(16)]
+    assert p.choose_method(reqs[0], 8, lengths) == "ngram"
+    assert p.choose_methods(reqs[:1], [8], [lengths], num_seqs=1) == ["ngram"]
+    assert p.choose_methods(reqs, [8] * 16, [lengths] * 16, num_seqs=16) == ["eagle3"] * 16
+
+
+class _CatchingUp:
+    """A model drafter on a fake clock: 50 ms of catch-up on a request's first propose, then 1 ms per
+    draft step."""
+    name = "slowstart"
+    last_catch_up_s = 0.0
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock, self.seen = clock, set()
+
+    def propose(self, requests, ks):
+        from specserve.speculators.base import DraftProposal
+        fresh = [r for r in requests if r.request_id not in self.seen]
+        self.seen.update(r.request_id for r in fresh)
+        self.last_catch_up_s = 0.050 * len(fresh)
+        self.clock[0] += self.last_catch_up_s + 0.001 * max(ks)
+        return DraftProposal([[7] * k for k in ks], [None] * len(ks))
+
+    def drain_refusals(self):
+        return {}
+
+
+def test_a_catch_up_is_not_booked_as_the_drafters_price_per_depth(monkeypatch):
+    from specserve.server.engine import spec_dispatch
+    from specserve.server.engine.stats import StepStats
+    from specserve.speculators import registry
+    clock = [0.0]
+    monkeypatch.setattr(spec_dispatch.time, "perf_counter", lambda: clock[0])
+    entry = registry.Method("slowstart", f"{__name__}:_CatchingUp", "always", model_based=True)
+    with registry.registered(entry):
+        dispatcher = spec_dispatch.SpecDispatcher({"slowstart": _CatchingUp(clock)}, policy=None)
+        for step in range(5):
+            seqs = [seq(f"r{step}", 4, method="slowstart")]             # a new request every step
+            dispatcher.propose(seqs, StepStats())
+    cost = dispatcher.learner.draft_step_s["slowstart"]
+    assert cost == pytest.approx(0.001)                               # 1 ms per depth, catch-ups aside
+
+
+def test_a_heads_observe_after_drafting_is_part_of_the_first_depths_price():
+    p = fitted_policy()
+    p.observe_propose("eagle3", 0.001, 1)
+    crowd = [seq(f"e{i}", 2, 70, 100, "eagle3") for i in range(8)]
+    p.trim(crowd)
+    assert all(s.num_draft_slots > 0 for s in crowd)
+    p.observe_follow_up("eagle3", 0.2)                               # an observe dearer than the gain
+    again = [seq(f"f{i}", 2, 70, 100, "eagle3") for i in range(8)]
+    p.trim(again)
+    assert all(s.num_draft_slots == 0 for s in again)
