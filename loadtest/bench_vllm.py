@@ -1,4 +1,4 @@
-"""Our n-gram speculation vs vLLM's, same target, same prompts, same client, batch 1 and 8, one run.
+"""Ours vs vLLM's CPU server, same target, same prompts, same client, concurrency 1, 8 and 16, one run.
 
   python -m loadtest.bench_vllm --vllm-python /work/vllm-venv/bin/python      # make bench-vllm
 
@@ -8,7 +8,9 @@ cannot switch speculation per request, so it takes one server per configuration:
 `--speculative-config {"method": "ngram", ...}` and one without; ours serves both from one process.
 Both get the same dtype (`--dtype`, fp32 by default), thread count and prompt set, `ignore_eos` so every
 request writes exactly
-max_tokens, and loadtest.serve's streaming client. Printed: output tokens/s and ours ÷ vLLM per concurrency.
+max_tokens, and loadtest.serve's streaming client. Printed: output tokens/s and ours ÷ vLLM per concurrency
+for `none` and `ngram` (both servers), and "best": our fastest method (--methods, hybrid included by default)
+÷ vLLM's faster of none and ngram.
 vLLM gets a plain copy of the target (`plain_copy`: the MTP layer's weights and config keys dropped) so
 that its Llama loader never meets weights it does not know; ours serves the same file unchanged.
 """
@@ -136,7 +138,8 @@ def labelled(result: dict, server: str, method: str) -> dict:
 
 
 def ratio_table(rows: list[dict], concurrency: list[int]) -> list[dict]:
-    """ours ÷ vLLM output tokens/s per (prompt set, concurrency, method), from the rows both servers produced."""
+    """ours ÷ vLLM output tokens/s per (prompt set, concurrency, method), from the rows both servers produced,
+    plus a "best" row per (set, concurrency): each server's fastest configuration, named in `best_of`."""
     tps = {(r["server"], r["method"], r["prompt_set"], r["concurrency"]): r["output_throughput"] for r in rows}
     table = []
     for pset in sorted({r["prompt_set"] for r in rows}):
@@ -144,6 +147,11 @@ def ratio_table(rows: list[dict], concurrency: list[int]) -> list[dict]:
             for m in ("ngram", "none"):
                 v, o = tps[("vllm", m, pset, c)], tps[("ours", m, pset, c)]
                 table.append({"prompt_set": pset, "concurrency": c, "method": m, "vllm": v, "ours": o, "ratio": o / v})
+            best = {server: max(((t, m) for (srv, m, p, cc), t in tps.items() if (srv, p, cc) == (server, pset, c)))
+                    for server in ("vllm", "ours")}
+            table.append({"prompt_set": pset, "concurrency": c, "method": "best", "vllm": best["vllm"][0],
+                          "ours": best["ours"][0], "ratio": best["ours"][0] / best["vllm"][0],
+                          "best_of": {server: m for server, (_, m) in best.items()}})
     return table
 
 
@@ -161,7 +169,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16])
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=["ngram", "none", "hybrid"],
+                    help="ours, comma list (ngram and none are always run: they are compared with vLLM's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both servers")
     ap.add_argument(
@@ -184,7 +194,7 @@ def main(argv=None) -> dict:
         ["--model", str(args.model), "--dtype", args.dtype, "--num-threads", str(args.threads)]
         + (["--compile"] if args.compile else []),
     ) as url:
-        for method in ("ngram", "none"):
+        for method in dict.fromkeys(["ngram", "none", *args.methods]):
             for r in drive(url, method, args):
                 rows.append(labelled(r, "ours", method))
     out = RESULTS / time.strftime("vllm-%Y%m%d-%H%M%S")
@@ -198,7 +208,7 @@ def main(argv=None) -> dict:
     for t in table:
         print(
             f"{t['prompt_set']:16s} {t['concurrency']:11d} {t['method']:>7s} {t['vllm']:11.1f} {t['ours']:11.1f} "
-            f"{t['ratio']:10.2f}"
+            f"{t['ratio']:10.2f}" + (f"   ({t['best_of']['ours']} / {t['best_of']['vllm']})" if "best_of" in t else "")
         )
     command = "python -m loadtest.bench_vllm " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = {

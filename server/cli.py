@@ -58,7 +58,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=e.device, help="auto, cpu, cuda or cuda:N; auto = cuda if available "
                                                      "(default: %(default)s)")
     g.add_argument("--block-size", type=int, default=e.block_size, metavar="N",
-                   help="tokens per KV cache block, a power of two (default: %(default)s)")
+                   help="tokens per KV cache block, a power of two; 0 = auto: 256 on CUDA with flash-attn (its paged "
+                        "kernel reads such blocks in place), else 16 (default: %(default)s)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=e.kv_cache_memory_gb, metavar="GB",
                    help="memory for the KV cache; its block count follows (default: %(default)s)")
     g.add_argument("--kv-cache-dtype", default=e.kv_cache_dtype, choices=KV_CACHE_DTYPES,

@@ -29,7 +29,7 @@ class EngineConfig:
     served_model_name: str | None = None   # name in /v1/models; default: the model dir's basename
     dtype: str = "auto"                    # auto = bf16 on CUDA, fp32 on CPU (builder.pick_dtype says why)
     device: str = "auto"                   # auto = cuda if available else cpu
-    block_size: int = 16                   # tokens per KV block
+    block_size: int = 0                    # tokens per KV block; 0 = auto (attention.pick_block_size)
     kv_cache_memory_gb: float = 1.0        # KV cache budget; number of blocks = budget // bytes per block
     kv_cache_dtype: str = "auto"           # auto = model dtype (fp32 under the CPU SDPA fallback)
     attention_backend: str = "auto"        # CPU: auto = the in-place paged kernel if it builds, else sdpa
@@ -72,8 +72,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if self.block_size not in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size must be 0 (auto) or a power of two in [1, 256], got {self.block_size}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError("kv_cache_memory_gb must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:

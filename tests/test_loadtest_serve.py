@@ -151,21 +151,25 @@ def test_vllm_comparison_table_pairs_rows_by_server_method_and_concurrency():
             "output_throughput": 40.0}
     rows = [labelled(sent, "vllm", "ngram"), labelled({**sent, "output_throughput": 30.0}, "vllm", "none"),
             labelled({**sent, "method": "ngram", "output_throughput": 60.0}, "ours", "ngram"),
-            labelled({**sent, "method": "none", "output_throughput": 33.0}, "ours", "none")]
+            labelled({**sent, "method": "none", "output_throughput": 33.0}, "ours", "none"),
+            labelled({**sent, "method": "hybrid", "output_throughput": 80.0}, "ours", "hybrid")]
     assert rows[0]["method"] == "ngram" and rows[0]["server"] == "vllm"
     table = ratio_table(rows, [1])
-    assert [t["method"] for t in table] == ["ngram", "none"]
-    assert [t["ratio"] for t in table] == pytest.approx([1.5, 1.1])
+    assert [t["method"] for t in table] == ["ngram", "none", "best"]
+    assert [t["ratio"] for t in table] == pytest.approx([1.5, 1.1, 2.0])      # best: hybrid 80 ÷ vLLM ngram 40
+    assert table[2]["best_of"] == {"ours": "hybrid", "vllm": "ngram"}
     other = [{**r, "prompt_set": "code_completion", "output_throughput": r["output_throughput"] * (2 if
               r["server"] == "ours" else 1)} for r in rows]
     table = ratio_table(rows + other, [1])                      # sets are paired within themselves
     assert [(t["prompt_set"], t["method"]) for t in table] == [
         ("code_completion", "ngram"),
         ("code_completion", "none"),
+        ("code_completion", "best"),
         ("code_editing", "ngram"),
         ("code_editing", "none"),
+        ("code_editing", "best"),
     ]
-    assert [t["ratio"] for t in table] == pytest.approx([3.0, 2.2, 1.5, 1.1])
+    assert [t["ratio"] for t in table] == pytest.approx([3.0, 2.2, 4.0, 1.5, 1.1, 2.0])
 
 
 def test_step_profile_accounts_for_each_stage(tiny_model_dir, capsys):

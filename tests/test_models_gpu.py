@@ -60,7 +60,14 @@ def run_schedule(model, cfg: ModelConfig, backend: str, block_size: int) -> list
 
 def test_default_backend_on_cuda_is_flash():
     assert attention.FLASH_ATTN_AVAILABLE, "CUDA is available but flash_attn is not importable (pip install flash-attn)"
-    assert attention.default_backend("cuda") == "flash" and attention.default_backend("cpu") == "sdpa"
+    assert attention.default_backend("cuda") == "flash" and attention.default_backend("cpu") in ("paged", "sdpa")
+
+
+def test_auto_block_size_on_cuda_reads_the_cache_in_place():
+    block = attention.pick_block_size(0, "cuda")
+    assert block == 256
+    attn = build_attention_metadata([1, 5], [300, 40], [[0, 1], [2]], block, "cuda")
+    assert attn.backend == "flash" and attn.flash_kv_slots is None      # block_table path: no gather
 
 
 @pytest.mark.parametrize("block_size", [16, 256])    # 16: gathered varlen path; 256: paged block_table path

@@ -119,3 +119,16 @@ def test_kv_cache_dtype_follows_the_model_under_the_paged_kernel_and_holds_twice
                                  "num_key_value_heads": 2, "head_dim": 16})
     fp32 = kv_cache.num_blocks_for_budget(cfg, 16, torch.float32, 1 << 30)
     assert kv_cache.num_blocks_for_budget(cfg, 16, torch.bfloat16, 1 << 30) == 2 * fp32
+
+
+def test_block_size_auto_is_flash_attns_page_on_cuda_and_16_elsewhere(monkeypatch, caplog):
+    assert attention.pick_block_size(0, "cpu") == 16
+    assert attention.pick_block_size(64, "cpu") == 64
+    monkeypatch.setattr(attention, "FLASH_ATTN_AVAILABLE", True)       # what a CUDA machine with flash-attn sees
+    assert attention.default_backend("cuda") == "flash"
+    assert attention.pick_block_size(0, "cuda") == 256
+    with caplog.at_level("WARNING"):
+        assert attention.pick_block_size(16, "cuda") == 16                # kept, but said: flash gathers then
+    assert "gathers" in caplog.text
+    monkeypatch.setattr(attention, "FLASH_ATTN_AVAILABLE", False)      # CUDA SDPA reads any block size
+    assert attention.pick_block_size(0, "cuda") == 16

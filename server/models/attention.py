@@ -91,6 +91,21 @@ def default_backend(device: torch.device | str) -> str:
     return cpu_backend()
 
 
+def pick_block_size(requested: int, device: torch.device | str) -> int:
+    """The KV block size for --block-size `requested` (0: auto). CUDA with flash-attn: 256, the page size
+    its paged kernel takes, so every step reads the cache in place; elsewhere 16 (the CPU kernel and SDPA
+    read any block size in place; small blocks share prompt prefixes at a finer grain). An explicit size
+    that makes flash-attn gather the context every layer is kept, with a warning."""
+    on_flash = default_backend(device) == "flash"
+    if requested == 0:
+        return FLASH_PAGED_BLOCK_MULTIPLE if on_flash else 16
+    if on_flash and requested % FLASH_PAGED_BLOCK_MULTIPLE:
+        logger.warning("--block-size %d: flash-attn pages only in blocks of %d, so every layer gathers the "
+                       "context into a buffer first; --block-size 0 (auto) or %d reads the cache in place",
+                       requested, FLASH_PAGED_BLOCK_MULTIPLE, FLASH_PAGED_BLOCK_MULTIPLE)
+    return requested
+
+
 def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                              block_size: int, device: torch.device, backend: str | None = None
                              ) -> AttentionMetadata:
