@@ -58,7 +58,6 @@ CUT_REASONS: dict[str, str] = {
     "drafter_cache_full": "no drafts: the drafter's KV cache was full",
     "prefix_unseen": "the drafter had no KV room for the cached prompt prefix and drafted without it",
     "prediction_ignored": "the request's prediction was not used",
-    "tree_as_chain": "the draft tree was drafted as a chain (the drafter could not build it this step)",
 }
 
 

@@ -22,7 +22,7 @@ class HeadSpeculator(Speculator):
         self.head = head
         self.drafter = HiddenStateDrafter(head, cache, stash_states)
         self.records_states = stash_states                  # record() must see every target forward
-        self.drafts_trees = head.num_layers == 1            # one-layer heads build draft trees
+        self.drafts_trees = True                            # draft_tree.py (one layer), mtp_tree.py (n > 1)
 
     @staticmethod
     def head_kv_bytes(ctx: BuildContext, num_layers: int) -> int:

@@ -29,7 +29,9 @@ propose(), with N = num_tokens (the last token t_{N-1} has no target state yet):
                  known tokens or drafts d_1..d_s; the last row gives d_{s+1}
   step s >= n:   chained beyond the depth, reusing the LAST layer: one row at base N-1+s-n with
                  input (its previous output, d_s), as EAGLE-3 and vLLM chain a single head
-KV written by draft rows is speculative: the next observe overwrites it.
+KV written by draft rows is speculative: the next observe overwrites it. A request with a draft tree
+(top_k > 1) grows it instead: speculators/draft_tree.py for one layer, speculators/mtp_tree.py for n > 1
+(layer m's rows keyed by tree node, the same bases and inputs as the chain along each path).
 
 Worked example, EAGLE-3 (n = 1), k = 3, context t_0..t_4 (N = 5), target states h_0..h_3:
   observe computed g_0..g_3 (rows (h_b, t_{b+1}) at positions 0..3); d_1 = argmax logits(g_3);
@@ -48,10 +50,11 @@ from typing import Protocol
 import torch
 
 from specserve.server.models.attention import AttentionMetadata
-from specserve.speculators.base import DraftProposal, DraftTree, VerifiedStep
+from specserve.speculators.base import DraftProposal, VerifiedStep
 from specserve.speculators.draft_kv import DraftKVCache, DraftSeq, KVCache
 from specserve.speculators.draft_sampling import append_drafts
 from specserve.speculators.draft_tree import HeadTreeBuilder, as_tree
+from specserve.speculators.mtp_tree import LayeredTreeBuilder
 from specserve.speculators.state_stash import TargetStateStash
 
 
@@ -131,7 +134,8 @@ class HiddenStateDrafter:
         # "drafter_cache_full": a step drafted nothing for want of KV room; "prefix_unseen": the head had
         # no room for a cached prompt prefix and drafts from the positions after it
         self.refusals: collections.Counter[str] = collections.Counter()
-        self.trees = HeadTreeBuilder(self)
+        # draft trees (EAGLE-2): one layer in draft_tree.py, several (MTP next-n layers) in mtp_tree.py
+        self.trees = HeadTreeBuilder(self) if self.n == 1 else LayeredTreeBuilder(self)
 
     # -- record: every forward's rows into the stash ---------------------------------------------------
     @torch.inference_mode()
@@ -247,7 +251,7 @@ class HiddenStateDrafter:
             n_tok = req.num_tokens
             if k <= 0:
                 continue
-            tree = self._tree_of(req)
+            tree = as_tree(req.spec_params.draft_tree)
             end = self.trees.kv_end(n_tok, tree) if tree is not None else n_tok - 1 + max(0, k - self.n)
             if (seq is None or seq.ends[0] != n_tok - 1 or seq.carry[0].shape[0] == 0
                     or not self.cache.reserve(seq.kv, end)):
@@ -280,16 +284,6 @@ class HiddenStateDrafter:
         for item in grown:
             token_ids[item.index] = item.tokens      # deterministic children: no draft distribution
         return DraftProposal(token_ids, probs, parents)
-
-    def _tree_of(self, req) -> DraftTree | None:
-        """The request's draft tree, or None for a chain. A head of several layers (MTP) drafts chains:
-        the step says so (cut "tree_as_chain")."""
-        tree = as_tree(req.spec_params.draft_tree)
-        if tree is not None and self.n > 1:
-            req.spec_stats.cut("tree_as_chain")
-            self.refusals["tree_as_chain"] += 1
-            return None
-        return tree
 
     def _step(self, s: int, items: list[_Live]) -> None:
         m = min(s, self.n - 1)

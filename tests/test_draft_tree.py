@@ -228,7 +228,8 @@ def test_server_default_tree_flags():
     cfg.validate()
     assert cfg.with_default_tree(SpecParams("eagle3", 8)).draft_tree == DraftTree(3, 4)
     assert cfg.with_default_tree(SpecParams("eagle3", 2)).draft_tree == DraftTree(3, 2)   # depth <= k
-    assert cfg.with_default_tree(SpecParams("mtp", 8)).draft_tree is None                # chains only
+    assert cfg.with_default_tree(SpecParams("mtp", 8)).draft_tree == DraftTree(3, 4)     # MTP of any depth
+    assert cfg.with_default_tree(SpecParams("draft", 8)).draft_tree is None              # chains only
     explicit = SpecParams("eagle3", 8, draft_tree=DraftTree(1, 8))                          # asked for the chain
     assert cfg.with_default_tree(explicit) is explicit
     assert EngineConfig().with_default_tree(SpecParams("eagle3", 8)).draft_tree is None    # default: chains
