@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from test_draft_tree import moved_rows
 from test_spec_draft_model import (
     BASE,
     GREEDY,
@@ -177,15 +178,7 @@ def test_without_the_layer_mask_or_with_the_wrong_parent_scores_differ(dirs, eng
 def fresh_head_mismatches(eng, monkeypatch, name: str) -> tuple[int, int]:
     """A tree run's builds after its first, each against the first build of a new request whose prompt is
     that context minus its last token (a head that never saw any tree) -> (mismatching builds, moved rows)."""
-    from specserve.server.engine import engine as engine_module
-    moved: list[int] = []
-    original = engine_module.accepted_moves
-
-    def counting(*args):
-        src, dst = original(*args)
-        moved.append(len(src))
-        return src, dst
-    monkeypatch.setattr(engine_module, "accepted_moves", counting)
+    moved = moved_rows(monkeypatch)
     log = record_trees(eng, monkeypatch)
     params = SamplingParams(**GREEDY, max_tokens=16)
     eng.generate(encode(eng)[:1], params, tree(8, 3, 4))
