@@ -8,6 +8,10 @@ Each engine step, for all requests that chose `draft`, batched:
                       drafts it did not write itself + the bonus/recovered token (usually 1-2 tokens).
   forward j = 2..k:   one row per request still drafting: d_{j-1} -> d_j.
 
+A request with a draft tree (top_k > 1) grows it from forward 1's last row instead of forwards 2..k: one
+forward per depth over every tree request's frontier (speculators/draft_model_tree.py); its rows are never
+read as a chain's (num_confirmed = N, nothing speculative).
+
 Rollback is a counter: KV of d_1..d_{k-1} is written during drafting; next step the draft compares
 them with the tokens the target actually kept, and the matching prefix stays valid. The rest is
 forgotten (overwritten later), nothing is copied.
@@ -33,12 +37,15 @@ from pathlib import Path
 import torch
 
 from specserve.server.kv.kv_cache import kv_cache_bytes_per_block
+from specserve.server.models.attention import AttentionMetadata
 from specserve.server.models.config import ModelConfig, load_config
 from specserve.server.models.latency_tuning import tune_for_latency
 from specserve.server.models.llama import LlamaForCausalLM
-from specserve.speculators.base import BuildContext, DraftProposal, SpecRequest, Speculator
+from specserve.speculators.base import BuildContext, DraftProposal, DraftTree, SpecRequest, Speculator
 from specserve.speculators.draft_kv import DraftKVCache, DraftSeq, mirror_target_blocks
+from specserve.speculators.draft_model_tree import DraftModelTreeBuilder
 from specserve.speculators.draft_sampling import append_drafts
+from specserve.speculators.tree_shape import as_tree
 from specserve.speculators.vocab import check_same_vocabulary
 
 
@@ -56,12 +63,15 @@ class _Live:
     state: _DraftState
     request: object
     k: int
-    tokens: list[int] = field(default_factory=list)          # drafts so far
+    tree: DraftTree | None = None                            # None: a chain
+    tokens: list[int] = field(default_factory=list)          # drafts so far (a tree: its nodes)
     probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] per random draft
+    parents: list[int] | None = None                         # a tree's parents (draft_tree.best_nodes)
 
 
 class DraftModelSpeculator(Speculator):
     name = "draft"
+    drafts_trees = True                # speculators/draft_model_tree.py
 
     def __init__(self, model: LlamaForCausalLM, cache: DraftKVCache, target_vocab_size: int) -> None:
         self.model = model
@@ -70,6 +80,7 @@ class DraftModelSpeculator(Speculator):
         self.device = cache.device
         self._states: dict[str, _DraftState] = {}
         self.refusals: collections.Counter[str] = collections.Counter()   # reason -> count, drained per step
+        self.trees = DraftModelTreeBuilder(self)
 
     @classmethod
     def build(cls, ctx: BuildContext) -> DraftModelSpeculator | None:
@@ -114,22 +125,26 @@ class DraftModelSpeculator(Speculator):
             state = self._state(req)
             valid = self._rollback(state, req)
             n = req.num_tokens
-            # KV for the unseen tokens and for d_1..d_{k-1}: positions [0, n + k - 1)
-            if not self.cache.reserve(state.kv, n + k - 1):
+            tree = as_tree(req.spec_params.draft_tree)
+            # KV for the unseen tokens and for d_1..d_{k-1} (positions [0, n + k - 1)), or for a tree's rows
+            end = self.trees.kv_end(n, tree) if tree is not None else n + k - 1
+            if not self.cache.reserve(state.kv, end):
                 self.refusals["drafter_cache_full"] += 1   # (shared target prefixes): no drafts this step
                 req.spec_stats.cut("drafter_cache_full")
                 continue
             first_tokens.append(req.token_slice(valid, n))
-            live.append(_Live(i, state, req, k))
+            live.append(_Live(i, state, req, k, tree))
         if live:
             self._draft(live, first_tokens)
         token_ids: list[list[int]] = [[] for _ in requests]
         probs: list[torch.Tensor | None] = [None for _ in requests]
+        parents: list[list[int] | None] = [None for _ in requests]
         for item in live:
             token_ids[item.index] = item.tokens
+            parents[item.index] = item.parents     # a tree's children are deterministic: no draft distribution
             if item.probs:
                 probs[item.index] = torch.stack(item.probs)            # [k_i, vocab]
-        return DraftProposal(token_ids, probs)
+        return DraftProposal(token_ids, probs, parents)
 
     # observe: the default no-op; the draft model reads tokens, not target states (catch-up is in propose)
 
@@ -172,10 +187,28 @@ class DraftModelSpeculator(Speculator):
         unseen = sum(len(t) for t in first_tokens)
         self.last_catch_up_s = (time.perf_counter() - start) * (1 - 2 * len(live) / unseen) \
             if unseen > 2 * len(live) else 0.0
-        self._sample(live, logits)
         for item, end in zip(live, ends):
             item.state.num_confirmed = end
             item.state.speculative = []
+        chains = [j for j, item in enumerate(live) if item.tree is None]
+        trees = [j for j, item in enumerate(live) if item.tree is not None]
+        if trees:
+            self._grow([live[j] for j in trees], logits[trees])
+        if chains:
+            self._chain([live[j] for j in chains], logits[chains])
+
+    def _grow(self, items: list[_Live], logits: torch.Tensor) -> None:
+        """The tree requests' trees from forward 1's last rows (logits [a, vocab])."""
+        start = time.perf_counter()
+        for item, (tokens, parents) in zip(items, self.trees.build(items, logits)):
+            item.tokens, item.parents = tokens, parents
+        self.trees.build_seconds += time.perf_counter() - start
+        self.trees.num_built += len(items)
+        self.trees.num_calls += 1
+
+    def _chain(self, live: list[_Live], logits: torch.Tensor) -> None:
+        """d_1 from forward 1's last rows (logits [a, vocab]), then forwards 2..k."""
+        self._sample(live, logits)
         for j in range(1, max(item.k for item in live)):
             active = [item for item in live if item.k > j]
             # d_j goes in at position end + j - 1; its KV is speculative until the target keeps d_j
@@ -189,14 +222,19 @@ class DraftModelSpeculator(Speculator):
         """Sequence i computes `tokens[i]` ending at position ends[i] - 1 -> last-row logits [n, target vocab]."""
         query_lens = [len(t) for t in tokens]
         attn, _ = self.cache.metadata([s.kv for s in states], query_lens, ends)
-        flat = [t for seq in tokens for t in seq]
+        last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1                  # [n]
+        return self.logits_of_rows([t for seq in tokens for t in seq], attn, last)
+
+    def logits_of_rows(self, tokens: list[int], attn: AttentionMetadata,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One draft forward of `tokens` ([num_tokens] ids laid out as `attn` says) -> logits [r, target vocab]
+        of the token rows `rows` ([r] int64; None: every row)."""
         # Ids beyond the draft's embedding (a smaller padded vocab, same tokenizer) never come from a
         # trained target; clamp rather than crash if one does.
-        ids = torch.tensor(flat, dtype=torch.long, device=self.device).clamp_(max=self.model.config.vocab_size - 1)
-        out = self.model.forward_states(ids, attn, self.cache.caches)
-        last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1                  # [n]
-        logits = self.model.compute_logits(out.hidden.index_select(0, last))              # [n, draft vocab]
-        return _to_target_vocab(logits, self.target_vocab_size)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device).clamp_(max=self.model.config.vocab_size - 1)
+        hidden = self.model.forward_states(ids, attn, self.cache.caches).hidden         # [num_tokens, H]
+        logits = self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
+        return _to_target_vocab(logits, self.target_vocab_size)                         # [r, target vocab]
 
     @staticmethod
     def _sample(items: list[_Live], logits: torch.Tensor) -> None:

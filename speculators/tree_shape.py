@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from specserve.speculators.base import DraftTree
 
-# drafters that build trees: hidden-state heads (EAGLE-2 trees; MTP of any depth), the lookups (earlier matches)
-TREE_METHODS = ("eagle3", "eagle", "mtp", "ngram", "suffix")
+# drafters that build trees: hidden-state heads (EAGLE-2 trees; MTP of any depth), the draft model (the same,
+# a forward per depth), the lookups (earlier matches)
+TREE_METHODS = ("eagle3", "eagle", "mtp", "draft", "ngram", "suffix")
 TREE_MAX_NODES = 15   # root + nodes fit one padded tree-masked attention call (attention_metadata.SHORT_QUERY_MAX)
 TREE_MAX_TOP_K = 8
 TREE_MAX_DEPTH = 16

@@ -88,7 +88,7 @@ BAD_JSON = [
     (C, {"prompt": "x", "speculation": {"method": "ngram", "num_speculative_tokens": 1.5}}, 400, ..., ...),
     (C, {"prompt": "x", "speculation": {"method": "ngram", "prompt_lookup_max": -1}}, 400, "speculation", ...),
     (C, {"prompt": "x", "speculation": {"method": "none", "bogus": 1}}, 400, "speculation", ...),
-    (C, {"prompt": "x", "speculation": {"method": "draft", "draft_tree": {"top_k": 2}}}, 400, "speculation", ...),
+    (C, {"prompt": "x", "speculation": {"method": "hybrid", "draft_tree": {"top_k": 2}}}, 400, "speculation", ...),
     (C, {"prompt": "x", "speculation": {"method": "eagle3", "draft_tree": "wide"}}, 400, "speculation", ...),
     (C, {"prompt": "x", "speculation": {"method": "eagle3", "num_speculative_tokens": 4,
                                          "draft_tree": {"top_k": 0, "depth": 2}}}, 400, "speculation", ...),

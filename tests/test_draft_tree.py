@@ -49,7 +49,7 @@ def test_parse_draft_tree_field():
         with pytest.raises(ValueError):
             parse_speculation({"method": "eagle3", "num_speculative_tokens": 8, "draft_tree": bad})
     with pytest.raises(ValueError, match="drafts chains only"):
-        parse_speculation({"method": "draft", "num_speculative_tokens": 4, "draft_tree": {"top_k": 2}})
+        parse_speculation({"method": "hybrid", "num_speculative_tokens": 4, "draft_tree": {"top_k": 2}})
 
 
 # ------------------------------------------------------------------- the embedded family (a trained head)
@@ -229,7 +229,8 @@ def test_server_default_tree_flags():
     assert cfg.with_default_tree(SpecParams("eagle3", 8)).draft_tree == DraftTree(3, 4)
     assert cfg.with_default_tree(SpecParams("eagle3", 2)).draft_tree == DraftTree(3, 2)   # depth <= k
     assert cfg.with_default_tree(SpecParams("mtp", 8)).draft_tree == DraftTree(3, 4)     # MTP of any depth
-    assert cfg.with_default_tree(SpecParams("draft", 8)).draft_tree is None              # chains only
+    assert cfg.with_default_tree(SpecParams("draft", 8)).draft_tree == DraftTree(3, 4)   # the draft model
+    assert cfg.with_default_tree(SpecParams("hybrid", 8)).draft_tree is None             # chains only
     explicit = SpecParams("eagle3", 8, draft_tree=DraftTree(1, 8))                          # asked for the chain
     assert cfg.with_default_tree(explicit) is explicit
     assert EngineConfig().with_default_tree(SpecParams("eagle3", 8)).draft_tree is None    # default: chains

@@ -217,6 +217,6 @@ def test_the_server_default_tree_applies_to_mtp():
     cfg = EngineConfig(draft_tree_top_k=3, draft_tree_depth=4)
     cfg.validate()
     assert cfg.with_default_tree(SpecParams("mtp", 8)).draft_tree == DraftTree(3, 4)
-    assert cfg.with_default_tree(SpecParams("draft", 8)).draft_tree is None         # chains only
+    assert cfg.with_default_tree(SpecParams("hybrid", 8)).draft_tree is None        # chains only
     assert parse_speculation({"method": "mtp", "num_speculative_tokens": 8,
                               "draft_tree": {"top_k": 4, "depth": 3}}).draft_tree == DraftTree(4, 3)
