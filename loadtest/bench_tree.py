@@ -1,12 +1,14 @@
-"""Draft trees vs chains for eagle3 at equal verified tokens N, interleaved in one run (embedded family).
+"""Draft trees vs chains at equal verified tokens N, interleaved in one run (embedded family; eagle3 unless
+--method names another tree-drafting method, e.g. draft: the embedded draft model).
 
   make bench-tree                                  # the grid below, ~6 minutes on 2 CPU cores
   python -m loadtest.bench_tree --max-tokens 32 --trees 2x4   # a smoke run
+  python -m loadtest.bench_tree --method draft     # the draft model's trees vs its chain
 
 For every cell (concurrency, temperature, prompt set) every configuration runs once per round, the order
 reversed every other round, so drift on a shared machine hits all of them alike. Reported per
 configuration: mean tokens per step (1 + accepted / verification steps), tokens/s, and for trees the
-time spent building them per step (µs, head forwards included) beside the drafter's time per step
+time spent building them per step (µs, drafter forwards included; 0 for the lookups) beside the drafter's time per step
 (chains too) and the mean step time. Policy: fixed (every step verifies N
 nodes), so the ratios compare shapes, not the goodput policy's cuts.
 """
@@ -21,18 +23,26 @@ from loadtest.prompt_sets import load_prompt_set
 from specserve import LLM
 from specserve.sampling.params import SamplingParams
 from specserve.speculators.base import DraftTree, SpecParams
+from specserve.speculators.tree_shape import TREE_METHODS
 
 
-def configs(n: int, trees: list[tuple[int, int]]) -> list[tuple[str, SpecParams]]:
-    out = [(f"chain k={n}", SpecParams("eagle3", n))]
-    out += [(f"tree {k}x{d}", SpecParams("eagle3", n, draft_tree=DraftTree(k, d))) for k, d in trees]
+def configs(n: int, trees: list[tuple[int, int]], method: str = "eagle3") -> list[tuple[str, SpecParams]]:
+    out = [(f"chain k={n}", SpecParams(method, n))]
+    out += [(f"tree {k}x{d}", SpecParams(method, n, draft_tree=DraftTree(k, d))) for k, d in trees]
     return out
+
+
+class _NoBuilder:
+    """The lookups' trees cost no drafter forward: nothing to time."""
+    build_seconds = 0.0
+    num_calls = 0
 
 
 def run_config(llm: LLM, prompts: list[str], conc: int, params: SamplingParams, spec: SpecParams) -> dict:
     """The prompts in batches of `conc` -> tokens, seconds, steps, accepted, verification steps, build s."""
-    speculator = llm.engine.spec.speculators["eagle3"]
-    builder = speculator.drafter.trees
+    speculator = llm.engine.spec.speculators[spec.method]
+    # the heads' tree builder sits on their drafter, the draft model's on the speculator itself
+    builder = getattr(getattr(speculator, "drafter", speculator), "trees", _NoBuilder())
     built0, calls0 = builder.build_seconds, builder.num_calls
     tokens = steps = accepted = drafts = 0
     drafting = [0.0, 0]                      # seconds in the drafter's propose (chain or tree), calls
@@ -72,6 +82,7 @@ def summarise(row: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", default="eagle3", choices=TREE_METHODS)
     ap.add_argument("--n", type=int, default=8, help="verified nodes per step (the chain's k)")
     ap.add_argument("--trees", default="2x4,3x4,4x5", help="KxD list")
     ap.add_argument("--concurrency", default="1,8")
@@ -93,7 +104,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for temp in (float(t) for t in args.temperatures.split(",")):
                 params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
                 pooled: dict[str, dict] = {}
-                order = configs(args.n, trees)
+                order = configs(args.n, trees, args.method)
                 for r in range(args.rounds):
                     for name, spec in (order if r % 2 == 0 else order[::-1]):
                         got = run_config(llm, prompts, conc, params, spec)
@@ -101,8 +112,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         for key, value in got.items():
                             acc[key] += value
                 for name, row in pooled.items():
-                    rows.append({"prompt_set": pset, "concurrency": conc, "temperature": temp, "config": name,
-                                 **summarise(row)})
+                    rows.append({"method": args.method, "prompt_set": pset, "concurrency": conc,
+                                 "temperature": temp, "config": name, **summarise(row)})
                     print(json.dumps(rows[-1]), flush=True)
     print(f"# {platform.processor() or platform.machine()}, one torch thread, {time.strftime('%Y-%m-%d')}")
     if args.out:
