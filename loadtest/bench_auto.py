@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.num_prompts} prompts x {args.new_tokens} tokens, k = {args.k}, loaded: {eng.methods}")
     header = " ".join(f"{n:>11}" for n in specs)
     print(f"{'set':16} {'T':>4} {'none/s':>6} {header}   auto/best  (speedup vs none / tau)")
-    for temperature in [float(t) for t in args.temperatures.split(",")]:
-        for name in args.sets.split(","):
+    for temperature in [float(t) for t in args.temperatures.split(",") if t]:
+        for name in [n for n in args.sets.split(",") if n]:
             res = batch1(eng, warm, sets[name], specs, temperature, args.new_tokens, f"{name}-{temperature}",
                          args.rounds)
             best = max((n for n in specs if n not in ("none", "auto")), key=lambda n: res[n]["speedup"])
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             rel = res["auto"]["speedup"] / res[best]["speedup"]
             print(f"{name:16} {temperature:4.1f} {res['none']['tok_s']:6.1f} {cells}   {rel:5.2f} "
                   f"({best}){'  greedy differs: ' + str(diffs) if diffs else ''}", flush=True)
-    for name in args.concurrent_sets.split(","):
+    for name in [n for n in args.concurrent_sets.split(",") if n]:
         work = sets[name] * max(1, 16 // len(sets[name]))
         ratio = concurrent(eng, warm, work, {"none": specs["none"], "hybrid k=4": specs["hybrid k=4"],
                                        "auto": specs["auto"]}, args.new_tokens, f"c-{name}")

@@ -69,6 +69,7 @@ class AutoSpeculator(Speculator):
         self.observe_seconds: dict[str, float] = {}   # member -> seconds its last observe took
         self.chooser: Chooser = each_longest_lookup
         self._lookup_drafts: dict[str, dict[str, list[int]]] = {}    # request id -> method -> draft
+        self.lookup_seconds: dict[str, tuple[float, int]] = {}    # lookup -> (seconds, requests) of the last choose
         self._refresh()
 
     def _refresh(self) -> None:
@@ -89,23 +90,35 @@ class AutoSpeculator(Speculator):
     def build(cls, ctx: BuildContext) -> AutoSpeculator:
         return cls(ctx.loaded)
 
-    def choose(self, requests: Sequence[SpecRequest], ks: Sequence[int],
-               chooser: Chooser | None = None) -> list[str]:
-        """The method each request drafts with this step ("none": plain decoding)."""
+    def choose(self, requests: Sequence[SpecRequest], ks: Sequence[int], chooser: Chooser | None = None,
+               resting: Callable[[SpecRequest], bool] | None = None) -> list[str]:
+        """The method each request drafts with this step ("none": plain decoding). Requests `resting` says
+        to leave alone plain-decode without running a lookup (the goodput policy's: recently cut ones)."""
         self._refresh()
         chooser = chooser or self.chooser
-        found = {m: self.members[m].propose(requests, ks).token_ids for m in LOOKUPS if m in self.members}
+        live = [i for i, (r, k) in enumerate(zip(requests, ks)) if k > 0 and not (resting and resting(r))]
+        reqs, live_ks = [requests[i] for i in live], [ks[i] for i in live]
+        found: dict[str, list[list[int]]] = {}
+        self.lookup_seconds = {}
+        for m in self.lookups():
+            start = time.perf_counter()
+            found[m] = self.members[m].propose(reqs, live_ks).token_ids if reqs else []
+            self.lookup_seconds[m] = (time.perf_counter() - start, len(reqs))
         lengths = []
-        for i, (req, k) in enumerate(zip(requests, ks)):
-            drafts = {m: found[m][i] for m in found}
+        for j, (req, k) in enumerate(zip(reqs, live_ks)):
+            drafts = {m: found[m][j] for m in found}
             self._lookup_drafts[req.request_id] = drafts
             lengths.append({m: (len(drafts[m]) if m in drafts else k) for m in self.members})
-        live = [i for i, k in enumerate(ks) if k > 0]
-        chosen = chooser([requests[i] for i in live], [ks[i] for i in live], [lengths[i] for i in live])
+        chosen = chooser(reqs, live_ks, lengths) if reqs else []
         choices = ["none"] * len(requests)
         for i, method in zip(live, chosen):
             choices[i] = method
         return choices
+
+    def lookups(self) -> list[str]:
+        """The loaded members that `choose` runs for every request it does not leave resting."""
+        self._refresh()
+        return [m for m in LOOKUPS if m in self.members]
 
     def drafts(self, method: str, requests: Sequence[SpecRequest], ks: Sequence[int]) -> DraftProposal:
         """Member `method`'s drafts for requests that chose it: a lookup's from `choose`, else its own."""

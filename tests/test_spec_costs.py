@@ -8,7 +8,7 @@ from specserve.sampling.params import SamplingParams
 from specserve.server.engine.request import Request
 from specserve.server.engine.scheduler import ScheduledSeq
 from specserve.server.engine.spec_policy import PROBE_EVERY, GoodputPolicy
-from specserve.speculators.base import SpecParams
+from specserve.speculators.base import DraftProposal, SpecParams, Speculator
 
 
 def _step(p: GoodputPolicy, s: ScheduledSeq, k: int) -> int:
@@ -171,3 +171,45 @@ def test_a_heads_observe_after_drafting_is_part_of_the_first_depths_price():
     again = [seq(f"f{i}", 2, 70, 100, "eagle3") for i in range(8)]
     p.trim(again)
     assert all(s.num_draft_slots == 0 for s in again)
+
+
+def test_a_cut_auto_request_rests_from_its_lookups_only_in_a_crowded_step():
+    """Lookups of 0.2 ms a request are ~1 % of a lone request's step and ~6 % of its share of a 16-sequence
+    step: only there does a request that drafted nothing skip them, and it still re-chooses every
+    RECHOOSE_EVERY-th dry step and on its probe."""
+    from specserve.server.engine.spec_policy import RECHOOSE_EVERY
+    p = fitted_policy()
+    p.observe_lookup("suffix", 0.0002, 1)
+    r = seq("a", 8, method="auto").request
+    lookups = ("suffix", "ngram")
+    rests = {}
+    for dry in range(PROBE_EVERY + 1):
+        p.dry[r.request_id] = dry
+        rests[dry] = (p.resting(r, 1, lookups), p.resting(r, 16, lookups), p.resting(r, 16, ()))
+    assert all(not alone and not free for alone, _, free in rests.values())
+    crowded = [d for d, (_, rest, _) in rests.items() if rest]
+    assert crowded == [d for d in range(1, PROBE_EVERY - 1) if d % RECHOOSE_EVERY]
+
+
+class _CountingLookup(Speculator):
+    """A context lookup that drafts [7] for every request and remembers whom it was asked about."""
+    name = "ngram"
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def propose(self, requests, ks):
+        self.asked += [r.request_id for r in requests]
+        return DraftProposal([[7] * min(k, 1) for k in ks], [None] * len(ks))
+
+
+def test_auto_runs_no_lookup_for_a_resting_request_and_times_the_ones_it_runs():
+    from specserve.speculators.auto import AutoSpeculator
+    lookup = _CountingLookup()
+    auto = AutoSpeculator({"ngram": lookup})
+    reqs = [seq(f"r{i}", 4, method="auto").request for i in range(4)]
+    choices = auto.choose(reqs, [4] * 4, resting=lambda r: r.request_id in ("r1", "r3"))
+    assert lookup.asked == ["r0", "r2"]
+    assert choices == ["ngram", "none", "ngram", "none"]
+    seconds, asked = auto.lookup_seconds["ngram"]
+    assert asked == 2 and seconds >= 0.0

@@ -136,10 +136,13 @@ class SpecDispatcher:
         if not auto:
             return methods
         live = [i for i in auto if seqs[i].num_draft_slots > 0]
-        learner = self.learner
-        choices = self.speculators["auto"].choose([seqs[i].request for i in live],
-                                                  [seqs[i].num_draft_slots for i in live],
-                                                  partial(learner.choose_methods, num_seqs=len(seqs))) if live else []
+        learner, auto_spec = self.learner, self.speculators["auto"]
+        choices = auto_spec.choose([seqs[i].request for i in live], [seqs[i].num_draft_slots for i in live],
+                                   partial(learner.choose_methods, num_seqs=len(seqs)),
+                                   partial(learner.resting, num_seqs=len(seqs),
+                                           lookups=auto_spec.lookups())) if live else []
+        for m, (seconds, num_requests) in auto_spec.lookup_seconds.items() if live else ():
+            learner.observe_lookup(m, seconds, num_requests)      # what resting weighs (trim: already paid)
         chosen = dict(zip(live, choices))
         for i in auto:
             methods[i] = chosen.get(i, "none")

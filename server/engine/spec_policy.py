@@ -69,6 +69,14 @@ NOMINAL_COST = (1.0, 0.05)
 # rejected first draft) would stay low for the rest of the request and, through the method's history,
 # for every later one. Costs at most one verified row per PROBE_EVERY steps.
 PROBE_EVERY = 8
+# An `auto` request that drafted nothing last step (it chose none, or the trim cut it) rests: it plain-decodes
+# without running the lookups or the choice, while those lookups cost more than REST_SHARE of its share of
+# the step (a crowded step: at 16 requests the lookups and the choice were ~20 % of the step; alone, ~1 %,
+# and a lookup that matches again is worth finding at once). A resting request re-chooses every
+# RECHOOSE_EVERY-th step without drafts and on its probe: its choice changes with the load or the context,
+# and a request that does not draft gains no evidence of its own.
+REST_SHARE = 0.02
+RECHOOSE_EVERY = 4
 # A draft-cost sample counts for at most this multiple of the estimate (see observe_propose): a prompt
 # catch-up divided by the depth once priced the embedded draft model at 10.7 ms per depth, EAGLE-3 at 2.3.
 MAX_DRAFT_RISE = 2.0
@@ -134,6 +142,21 @@ class GoodputPolicy:
 
     def probing(self, request) -> bool:
         return self.dry.get(request.request_id, 0) >= PROBE_EVERY - 1
+
+    def resting(self, request, num_seqs: int = 1, lookups: Sequence[str] = ()) -> bool:
+        """`auto` skips this request's lookups and choice this step (it plain-decodes): it drafted nothing
+        last step, this is neither a re-choice step nor its probe, and the `lookups` auto would run cost
+        more than REST_SHARE of the request's share of a step of `num_seqs` sequences.
+        Example: t0 = 25 ms, t1 = 1.5 ms, suffix + ngram 0.2 ms a request: alone the share is 26.5 ms
+        (0.8 %: never rests); at 16 sequences 3.1 ms (6 %: rests)."""
+        dry = self.dry.get(request.request_id, 0)
+        if dry == 0 or dry % RECHOOSE_EVERY == 0 or self.probing(request):
+            return False
+        fit = self.cost.fit()
+        t0, t1 = fit if fit is not None else NOMINAL_COST
+        num_seqs = max(num_seqs, 1)
+        share = (t0 + t1 * num_seqs) / num_seqs
+        return sum(self.lookup_s.get(m, 0.0) for m in lookups) > REST_SHARE * share
 
     def is_collapsed(self, method: str, band: str | None = None) -> bool:
         return self.history.is_collapsed(method, band)
