@@ -118,20 +118,23 @@ def test_plain_copy_for_other_servers_drops_only_the_mtp_layer(tmp_path):
 
 
 def test_bf16_family_every_method_keeps_greedy_text_in_one_batch(prompts):
-    """`--dtype bfloat16` on a CPU with bf16 units: bf16 weights (packed, row-stable) with fp32 KV and
-    attention. Every speculator, mixed in one batch, emits what plain bf16 decoding emits on these prompts
-    (with bf16 attention they diverge; a rare near-tie can still flip in bf16, see builder.pick_dtype)."""
+    """`--dtype bfloat16` on a CPU with bf16 units: bf16 weights (packed, row-stable) and bf16 K/V read in
+    place by the paged kernel, whose fp32 reduction order per row does not depend on the batch, the
+    number of queries or keys. Every speculator, mixed in one batch and never cut by the load (adaptive
+    off), emits what plain bf16 decoding emits."""
     from specserve.server.models.linear import Linear, pack_linears
     if pack_linears(Linear(64, 64).to(torch.bfloat16)) == 0:
         pytest.skip("this CPU's oneDNN has no packed bf16 kernel: bf16 rows may depend on the batch here")
     eng = OfflineEngine.from_config(EngineConfig(dtype="bfloat16", device="cpu", num_threads=1,
                                                  kv_cache_memory_gb=0.05, seed=0))
-    assert eng.engine.runner.kv_caches[0][0].dtype == torch.float32
-    methods = ["none", "ngram", "draft", "eagle3", "eagle", "mtp"]
+    from specserve.server.models.attention import cpu_backend
+    paged = cpu_backend() == "paged"                    # else the SDPA fallback attends over fp32 K/V
+    assert eng.engine.runner.kv_caches[0][0].dtype == (torch.bfloat16 if paged else torch.float32)
+    methods = ["none", "ngram", "suffix", "draft", "eagle3", "eagle", "mtp", "hybrid"]
     assert set(methods[1:]) <= set(eng.engine.spec.speculators)
     plain = _greedy(eng, prompts, SpecParams())
     batch = [p for p in prompts for _ in methods]
-    specs = [SpecParams() if m == "none" else SpecParams(method=m, num_speculative_tokens=3)
+    specs = [SpecParams() if m == "none" else SpecParams(method=m, num_speculative_tokens=3, adaptive=False)
              for _ in prompts for m in methods]
     outs = _greedy(eng, batch, specs)
     for i, out in enumerate(outs):
