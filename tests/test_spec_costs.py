@@ -213,3 +213,31 @@ def test_auto_runs_no_lookup_for_a_resting_request_and_times_the_ones_it_runs():
     assert choices == ["ngram", "none", "ngram", "none"]
     seconds, asked = auto.lookup_seconds["ngram"]
     assert asked == 2 and seconds >= 0.0
+
+
+def test_a_tree_step_is_priced_per_depth_not_per_verified_node(monkeypatch):
+    """A tree of 8 nodes and depth 2 runs 2 draft forwards: its propose time divided by 8 would price the
+    drafter's forward at a quarter of its cost, and the policy would then draft deeper than pays."""
+    from dataclasses import replace
+
+    from specserve.server.engine import spec_dispatch
+    from specserve.server.engine.stats import StepStats
+    from specserve.speculators import registry
+    from specserve.speculators.base import DraftTree
+
+    class _Tree(_CatchingUp):
+        def propose(self, requests, ks):
+            self.seen.update(r.request_id for r in requests)      # no catch-up: only depth forwards
+            self.clock[0] += 0.001 * max(r.spec_params.draft_tree.depth for r in requests)
+            return DraftProposal([[7] * k for k in ks], [None] * len(ks))
+
+    clock = [0.0]
+    monkeypatch.setattr(spec_dispatch.time, "perf_counter", lambda: clock[0])
+    entry = registry.Method("slowstart", f"{__name__}:_CatchingUp", "always", model_based=True)
+    with registry.registered(entry):
+        dispatcher = spec_dispatch.SpecDispatcher({"slowstart": _Tree(clock)}, policy=None)
+        for step in range(5):
+            s = seq(f"t{step}", 8, method="slowstart")
+            s.request.spec_params = replace(s.request.spec_params, draft_tree=DraftTree(top_k=4, depth=2))
+            dispatcher.propose([s], StepStats())
+    assert dispatcher.learner.draft_step_s["slowstart"] == pytest.approx(0.001)

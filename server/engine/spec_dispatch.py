@@ -108,7 +108,8 @@ class SpecDispatcher:
                 proposal = self.speculators[method].propose(reqs, ks)
             seconds = time.perf_counter() - t0
             if drafter is not None:             # a catch-up is no draft step's price
-                self.learner.observe_propose(method, seconds - drafter.last_catch_up_s, max(ks))
+                self.learner.observe_propose(method, seconds - drafter.last_catch_up_s,
+                                             max(_forwards(r, k) for r, k in zip(reqs, ks)))
             elif not by_auto:                # auto's lookups ran before it chose (their drafts are reused)
                 self.learner.observe_lookup(method, seconds, len(reqs))
             for j, i in enumerate(idx):
@@ -241,3 +242,10 @@ class SpecDispatcher:
         spec = self.speculators.get(request.spec_params.method)
         if spec is not None:
             spec.release(request)
+
+
+def _forwards(request: Request, k: int) -> int:
+    """Draft forwards a model drafter runs for a request drafting k positions: one per chain position, one per
+    tree depth (a tree of k = 8 nodes and depth 3 costs 3 forwards, not 8)."""
+    tree = request.spec_params.draft_tree
+    return min(k, tree.depth) if tree is not None else k
