@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--sets", default="repeated,agentic,mixed,code_completion,prose")
     ap.add_argument("--concurrent-sets", default="repeated,code_completion")
+    ap.add_argument("--concurrent-rounds", type=int, default=2,
+                    help="passes of every arm over each concurrent set, arm order alternating")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     eng = LLM(config=EngineConfig(model=args.model, kv_cache_memory_gb=0.5, suffix_scope="user"))
@@ -170,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in [n for n in args.concurrent_sets.split(",") if n]:
         work = sets[name] * max(1, 16 // len(sets[name]))
         ratio = concurrent(eng, warm, work, {"none": specs["none"], "hybrid k=4": specs["hybrid k=4"],
-                                       "auto": specs["auto"]}, args.new_tokens, f"c-{name}")
+                                       "auto": specs["auto"]}, args.new_tokens, f"c-{name}",
+                           args.concurrent_rounds)
         print(f"concurrency {len(work)} {name}: " + ", ".join(f"{n} {v:.2f}x" for n, v in ratio.items()), flush=True)
     hit, miss, per_token = propose_cost()
     print(f"suffix lookup at a 1M-token cache: {hit:.0f} µs (match + 8-token draft), {miss:.0f} µs (no match); "

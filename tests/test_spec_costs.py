@@ -124,7 +124,7 @@ def test_auto_prices_a_model_drafter_shared_by_the_batch_that_chooses_it():
     assert p.choose_methods(reqs, [8] * 16, [lengths] * 16, num_seqs=16) == ["eagle3"] * 16
 
 
-class _CatchingUp:
+class _CatchingUp(Speculator):
     """A model drafter on a fake clock: 50 ms of catch-up on a request's first propose, then 1 ms per
     draft step."""
     name = "slowstart"
@@ -241,3 +241,43 @@ def test_a_tree_step_is_priced_per_depth_not_per_verified_node(monkeypatch):
             s.request.spec_params = replace(s.request.spec_params, draft_tree=DraftTree(top_k=4, depth=2))
             dispatcher.propose([s], StepStats())
     assert dispatcher.learner.draft_step_s["slowstart"] == pytest.approx(0.001)
+
+
+def test_auto_prices_catching_a_request_up_when_it_switches_drafter():
+    """A drafter auto did not use for a request last step must first catch it up (stash read, unseen
+    tokens). Unpriced, auto flits between drafters paying that each time; priced, a cold request takes the
+    lookup while a request already drafting with the head keeps it."""
+    p = fitted_policy()
+    p.observe_propose("eagle3", 0.001, 1)
+    alphas = {"eagle3": 0.8, "ngram": 0.6}
+    p.request_alpha = lambda request, method: alphas[method]
+    lengths = {"eagle3": 8, "ngram": 3}
+    r = seq("r", 8).request
+    assert p.choose_method(r, 8, lengths) == "eagle3"
+    p.observe_catch_up("eagle3", 0.2, 4)                            # 50 ms per request caught up
+    assert p.catch_up_s["eagle3"] == pytest.approx(0.05)
+    assert p.choose_method(r, 8, lengths) == "ngram"
+    assert p.choose_method(r, 8, lengths, last="eagle3") == "eagle3"
+    assert p.choose_methods([r], [8], [lengths], last={"r": "eagle3"}) == ["eagle3"]
+
+
+def test_the_dispatcher_books_a_catch_up_only_for_requests_auto_switched(monkeypatch):
+    from specserve.server.engine import spec_dispatch
+    from specserve.server.engine.stats import StepStats
+    from specserve.speculators import registry
+    from specserve.speculators.auto import AutoSpeculator
+    clock = [0.0]
+    monkeypatch.setattr(spec_dispatch.time, "perf_counter", lambda: clock[0])
+    entry = registry.Method("slowstart", f"{__name__}:_CatchingUp", "always", model_based=True)
+    with registry.registered(entry):
+        loaded = {"slowstart": _CatchingUp(clock)}
+        loaded["auto"] = AutoSpeculator(loaded)
+        dispatcher = spec_dispatch.SpecDispatcher(loaded, policy=None)
+        s = seq("a", 4, method="auto")
+        dispatcher.propose([s], StepStats())                          # first use: 50 ms of catch-up
+        assert dispatcher.learner.catch_up_s["slowstart"] == pytest.approx(0.050)
+        dispatcher.learner.catch_up_s.clear()
+        s.num_draft_slots = 4
+        fresh = seq("b", 4, method="auto")
+        dispatcher.propose([s, fresh], StepStats())                   # a is warm: b's 50 ms are b's alone
+        assert dispatcher.learner.catch_up_s["slowstart"] == pytest.approx(0.050)

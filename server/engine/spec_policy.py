@@ -92,6 +92,7 @@ class GoodputPolicy:
         self.draft_step_s: dict[str, float] = {}              # model drafter -> EMA seconds per draft step
         self.lookup_s: dict[str, float] = {}                  # lookup -> EMA seconds per request and step
         self.follow_up_s: dict[str, float] = {}               # model drafter -> EMA seconds of its observe
+        self.catch_up_s: dict[str, float] = {}                # model drafter -> EMA seconds to catch one request up
         self.dry: dict[str, int] = {}                         # request id -> steps in a row without drafts
 
     # -- learning ------------------------------------------------------------------------------------
@@ -117,6 +118,12 @@ class GoodputPolicy:
         """A head's observe after a step it drafted in: one more forward over the verified rows, paid once
         per step by the group that drafted with it (part of depth 1's price)."""
         _ema(self.follow_up_s, method, seconds)
+
+    def observe_catch_up(self, method: str, seconds: float, num_requests: int) -> None:
+        """A model drafter caught `num_requests` auto requests up (it had not drafted for them the step
+        before: a head reading its state stash, a draft model its unseen tokens) in `seconds`."""
+        if num_requests > 0:
+            _ema(self.catch_up_s, method, seconds / num_requests)
 
     def observe_lookup(self, method: str, seconds: float, num_requests: int) -> None:
         """A context lookup's propose call for `num_requests` requests: its cost does not grow with depth."""
@@ -178,7 +185,7 @@ class GoodputPolicy:
 
     # -- deciding ------------------------------------------------------------------------------------
     def choose_methods(self, requests: Sequence, ks: Sequence[int], lengths: list[dict[str, int]],
-                       num_seqs: int | None = None) -> list[str]:
+                       num_seqs: int | None = None, last: dict[str, str] | None = None) -> list[str]:
         """`auto` for one step's requests: choose_method for each, priced inside the batch.
 
         In a step of B sequences (num_seqs, all methods) a request's share of the step is (t0 + t1 B) / B,
@@ -186,19 +193,22 @@ class GoodputPolicy:
         pass prices it as if every auto request of the step shared it, a second at the groups the first
         formed. Example, B = 16, t0 = 12.6 ms, t1 = 0.57 ms, EAGLE-3 d = 2.6 ms: alone, a request pays the
         full 2.6 ms per depth beside a 1.36 ms share of the step, and a weak lookup looks better; shared
-        by 12, 0.22 ms each.
+        by 12, 0.22 ms each. `last` (request id -> its method the step before) tells which model drafters
+        would first have to catch a request up (see choose_method).
         """
         fit = self.cost.fit()
         t0, t1 = fit if fit is not None else NOMINAL_COST
         num_seqs = max(num_seqs or len(requests), 1)
         base = (t0 + t1 * num_seqs) / num_seqs - t1        # base + t1 (1 + L): the request's share
-        first = [self.choose_method(r, k, n, base, len(requests)) for r, k, n in zip(requests, ks, lengths)]
+        last = last or {}
+        first = [self.choose_method(r, k, n, base, len(requests), last.get(r.request_id))
+                 for r, k, n in zip(requests, ks, lengths)]
         groups = Counter(first)
-        return [self.choose_method(r, k, n, base, {m: groups[m] + (m != mine) for m in n})
+        return [self.choose_method(r, k, n, base, {m: groups[m] + (m != mine) for m in n}, last.get(r.request_id))
                 for r, k, n, mine in zip(requests, ks, lengths, first)]
 
     def choose_method(self, request, k: int, lengths: dict[str, int], base: float | None = None,
-                      sharing: int | dict[str, int] | None = None) -> str:
+                      sharing: int | dict[str, int] | None = None, last: str | None = None) -> str:
         """`auto`: the candidate with the most expected tokens per second this step, or "none".
 
         lengths: method -> how many drafts it would verify (a context lookup knows, and has already
@@ -208,6 +218,9 @@ class GoodputPolicy:
         best L <= its length, the depth the trim would keep, not at its longest. Plain decoding yields 1
         token for t0 + t1. In a batch (choose_methods) t0 is the request's share of the step (`base`) and
         d_m is split among the `sharing` requests (one count, or per method: the group it would join). A
+        model drafter that did not draft for the request last step (`last`) first catches it up (a head
+        reads the states it skipped, a draft model its unseen tokens): its measured catch-up cost per
+        request joins the step's cost, so auto does not flit between drafters paying catch-ups unpriced. A
         request that drafted nothing for PROBE_EVERY - 1 steps takes the best candidate even when none
         rates higher. The choice reads the context and past acceptance only, never this step's target,
         and no request's text depends on it: greedy and seeded (coupled) sampling emit the same tokens
@@ -225,9 +238,10 @@ class GoodputPolicy:
                 continue
             share = sharing.get(method, 1) if isinstance(sharing, dict) else (sharing or 1)
             share = max(share, 1)
+            switch = self.catch_up_s.get(method, 0.0) if method != last else 0.0
             rate = self._best_rate(self.request_alpha(request, method), n, t0, t1,
                                    self.draft_step_s.get(method, 0.0) / share,
-                                   self.follow_up_s.get(method, 0.0) / share)
+                                   self.follow_up_s.get(method, 0.0) / share + switch)
             if rate > best_rate:
                 best, best_rate = method, rate
             if rate > probe_rate:
