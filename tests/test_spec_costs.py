@@ -243,10 +243,11 @@ def test_a_tree_step_is_priced_per_depth_not_per_verified_node(monkeypatch):
     assert dispatcher.learner.draft_step_s["slowstart"] == pytest.approx(0.001)
 
 
-def test_auto_prices_catching_a_request_up_when_it_switches_drafter():
-    """A drafter auto did not use for a request last step must first catch it up (stash read, unseen
-    tokens). Unpriced, auto flits between drafters paying that each time; priced, a cold request takes the
-    lookup while a request already drafting with the head keeps it."""
+def test_auto_prices_catching_a_request_up_by_the_rows_it_skipped():
+    """A drafter auto did not use for a request last step must first read the rows it skipped (stash read,
+    unseen tokens) in one forward, c0 + c1 * rows. Unpriced, auto flits between drafters paying that each
+    time; priced, a request far behind takes the lookup, one a few rows behind or already drafting with the
+    head keeps the head. Before the fit has samples, a catch-up costs one draft forward."""
     p = fitted_policy()
     p.observe_propose("eagle3", 0.001, 1)
     alphas = {"eagle3": 0.8, "ngram": 0.6}
@@ -254,14 +255,30 @@ def test_auto_prices_catching_a_request_up_when_it_switches_drafter():
     lengths = {"eagle3": 8, "ngram": 3}
     r = seq("r", 8).request
     assert p.choose_method(r, 8, lengths) == "eagle3"
-    p.observe_catch_up("eagle3", 0.2, 4)                            # 50 ms per request caught up
-    assert p.catch_up_s["eagle3"] == pytest.approx(0.05)
-    assert p.choose_method(r, 8, lengths) == "ngram"
-    assert p.choose_method(r, 8, lengths, last="eagle3") == "eagle3"
-    assert p.choose_methods([r], [8], [lengths], last={"r": "eagle3"}) == ["eagle3"]
+    assert p.catch_up_s("eagle3", 500) == pytest.approx(0.001) and p.catch_up_s("eagle3", 0) == 0.0
+    for i in range(40):
+        rows = 1 + (i * 37) % 400
+        p.observe_catch_up("eagle3", 0.002 + 0.0002 * rows, rows)    # 2 ms + 0.2 ms per row
+    assert p.catch_up_s("eagle3", 100) == pytest.approx(0.022, rel=1e-3)
+    rows = {"far": 300, "near": 4, "drafting": 0}
+    behind = {name: (lambda request, method, n=n: n if method == "eagle3" else 0) for name, n in rows.items()}
+    assert [p.choose_method(r, 8, lengths, behind=behind[n]) for n in rows] == ["ngram", "eagle3", "eagle3"]
+    assert p.choose_methods([r], [8], [lengths], behind=behind["far"]) == ["ngram"]
 
 
-def test_the_dispatcher_books_a_catch_up_only_for_requests_auto_switched(monkeypatch):
+def test_the_ledger_counts_rows_a_drafter_skipped_since_it_last_drafted():
+    from specserve.server.engine.catch_up import CatchUpLedger
+    ledger = CatchUpLedger()
+    r = seq("a", 4).request                                           # 3 prompt tokens
+    assert ledger.behind(r, "eagle3", None) == 3                      # never drafted: everything
+    ledger.drafted(r, "eagle3")
+    r.output_token_ids += [5, 6, 7, 8]
+    assert ledger.behind(r, "eagle3", "eagle3") == 0                  # drafted last step: its own observe
+    assert ledger.behind(r, "eagle3", "suffix") == 4                  # skipped the 4 tokens since
+    assert ledger.behind(r, "draft", "suffix") == 7
+
+
+def test_the_dispatcher_books_a_catch_up_per_row_only_for_requests_auto_switched(monkeypatch):
     from specserve.server.engine import spec_dispatch
     from specserve.server.engine.stats import StepStats
     from specserve.speculators import registry
@@ -274,10 +291,10 @@ def test_the_dispatcher_books_a_catch_up_only_for_requests_auto_switched(monkeyp
         loaded["auto"] = AutoSpeculator(loaded)
         dispatcher = spec_dispatch.SpecDispatcher(loaded, policy=None)
         s = seq("a", 4, method="auto")
-        dispatcher.propose([s], StepStats())                          # first use: 50 ms of catch-up
-        assert dispatcher.learner.catch_up_s["slowstart"] == pytest.approx(0.050)
-        dispatcher.learner.catch_up_s.clear()
+        booked = []
+        dispatcher.learner.observe_catch_up = lambda method, seconds, rows: booked.append((method, seconds, rows))
+        dispatcher.propose([s], StepStats())                          # first use: 50 ms over its 3 tokens
         s.num_draft_slots = 4
         fresh = seq("b", 4, method="auto")
-        dispatcher.propose([s, fresh], StepStats())                   # a is warm: b's 50 ms are b's alone
-        assert dispatcher.learner.catch_up_s["slowstart"] == pytest.approx(0.050)
+        dispatcher.propose([s, fresh], StepStats())                   # a is warm: the 50 ms are b's 3 rows
+        assert booked == [("slowstart", pytest.approx(0.050), 3), ("slowstart", pytest.approx(0.050), 3)]

@@ -24,6 +24,7 @@ import torch
 
 from specserve.sampling.outputs import SeqSamplingOutput
 from specserve.server.engine.acceptance import band_of
+from specserve.server.engine.catch_up import CatchUpLedger
 from specserve.server.engine.request import Request
 from specserve.server.engine.scheduler import ScheduledSeq
 from specserve.server.engine.spec_policy import GoodputPolicy
@@ -57,6 +58,7 @@ class SpecDispatcher:
         self._auto_policy = GoodputPolicy()           # auto's estimates when the server runs no policy
         self._chosen: dict[str, str] = {}             # auto request id -> its method this step
         self._previous: dict[str, str] = {}           # auto request id -> its method the step before
+        self.ledger = CatchUpLedger()                 # rows each model drafter is behind on each auto request
         self._drafted_methods: set[str] = set()       # methods (auto's members too) that drafted this step
         # per seq of the last propose: a draft tree's parents (speculators/draft_tree.py), or None (a chain)
         self.tree_parents: list[list[int] | None] = []
@@ -111,9 +113,12 @@ class SpecDispatcher:
             if drafter is not None:             # a catch-up is no draft step's price
                 self.learner.observe_propose(method, seconds - drafter.last_catch_up_s,
                                              max(_forwards(r, k) for r, k in zip(reqs, ks)))
-                cold = sum(self._previous.get(r.request_id) != method for r in reqs) if by_auto else 0
-                if cold and drafter.last_catch_up_s > 0.0:     # what auto pays to switch a request to it
-                    self.learner.observe_catch_up(method, drafter.last_catch_up_s, cold)
+                if by_auto:                     # what auto pays to switch a request to it, per row
+                    rows = sum(self.ledger.behind(r, method, self._previous.get(r.request_id)) for r in reqs)
+                    if rows and drafter.last_catch_up_s > 0.0:
+                        self.learner.observe_catch_up(method, drafter.last_catch_up_s, rows)
+                    for r in reqs:
+                        self.ledger.drafted(r, method)
             elif not by_auto:                # auto's lookups ran before it chose (their drafts are reused)
                 self.learner.observe_lookup(method, seconds, len(reqs))
             for j, i in enumerate(idx):
@@ -137,13 +142,14 @@ class SpecDispatcher:
         """Each seq's method this step: its own, or for `auto` the chosen one ("none": no drafts)."""
         methods = [seq.request.spec_params.method for seq in seqs]
         self._previous, self._chosen = self._chosen, {}
+        self.ledger.keep_only({seq.request.request_id for seq in seqs})
         auto = [i for i, m in enumerate(methods) if m == "auto" and "auto" in self.speculators]
         if not auto:
             return methods
         live = [i for i in auto if seqs[i].num_draft_slots > 0]
         learner, auto_spec = self.learner, self.speculators["auto"]
         choices = auto_spec.choose([seqs[i].request for i in live], [seqs[i].num_draft_slots for i in live],
-                                   partial(learner.choose_methods, num_seqs=len(seqs), last=self._previous),
+                                   partial(learner.choose_methods, num_seqs=len(seqs), behind=self._behind),
                                    partial(learner.resting, num_seqs=len(seqs),
                                            lookups=auto_spec.lookups())) if live else []
         for m, (seconds, num_requests) in auto_spec.lookup_seconds.items() if live else ():
@@ -155,6 +161,9 @@ class SpecDispatcher:
                 seqs[i].num_draft_slots = 0
             self._chosen[seqs[i].request.request_id] = methods[i]
         return methods
+
+    def _behind(self, request, method: str) -> int:
+        return self.ledger.behind(request, method, self._previous.get(request.request_id))
 
     def _drain_refusals(self, stats: StepStats) -> None:
         """Model-based drafters count what they could not do (no KV room: no drafts this step, or a cached

@@ -92,7 +92,7 @@ class GoodputPolicy:
         self.draft_step_s: dict[str, float] = {}              # model drafter -> EMA seconds per draft step
         self.lookup_s: dict[str, float] = {}                  # lookup -> EMA seconds per request and step
         self.follow_up_s: dict[str, float] = {}               # model drafter -> EMA seconds of its observe
-        self.catch_up_s: dict[str, float] = {}                # model drafter -> EMA seconds to catch one request up
+        self.catch_up: dict[str, StepCostModel] = {}          # model drafter -> catch-up s = c0 + c1 * rows
         self.dry: dict[str, int] = {}                         # request id -> steps in a row without drafts
 
     # -- learning ------------------------------------------------------------------------------------
@@ -119,11 +119,21 @@ class GoodputPolicy:
         per step by the group that drafted with it (part of depth 1's price)."""
         _ema(self.follow_up_s, method, seconds)
 
-    def observe_catch_up(self, method: str, seconds: float, num_requests: int) -> None:
-        """A model drafter caught `num_requests` auto requests up (it had not drafted for them the step
-        before: a head reading its state stash, a draft model its unseen tokens) in `seconds`."""
-        if num_requests > 0:
-            _ema(self.catch_up_s, method, seconds / num_requests)
+    def observe_catch_up(self, method: str, seconds: float, rows: int) -> None:
+        """A model drafter caught `auto` requests up on `rows` rows it had skipped (a head reading its state
+        stash, a draft model its unseen tokens) in `seconds` (server/engine/catch_up.py): one forward, so
+        fitted as c0 + c1 * rows like a step."""
+        if rows > 0:
+            self.catch_up.setdefault(method, StepCostModel()).observe(rows, seconds)
+
+    def catch_up_s(self, method: str, rows: int) -> float:
+        """The expected price of catching a request up on `rows` rows: the fit once it has enough spread,
+        else one draft forward (what a catch-up of a few rows costs)."""
+        if rows <= 0:
+            return 0.0
+        model = self.catch_up.get(method)
+        fit = model.fit() if model is not None else None
+        return fit[0] + fit[1] * rows if fit is not None else self.draft_step_s.get(method, 0.0)
 
     def observe_lookup(self, method: str, seconds: float, num_requests: int) -> None:
         """A context lookup's propose call for `num_requests` requests: its cost does not grow with depth."""
@@ -185,7 +195,8 @@ class GoodputPolicy:
 
     # -- deciding ------------------------------------------------------------------------------------
     def choose_methods(self, requests: Sequence, ks: Sequence[int], lengths: list[dict[str, int]],
-                       num_seqs: int | None = None, last: dict[str, str] | None = None) -> list[str]:
+                       num_seqs: int | None = None,
+                       behind: Callable[[object, str], int] | None = None) -> list[str]:
         """`auto` for one step's requests: choose_method for each, priced inside the batch.
 
         In a step of B sequences (num_seqs, all methods) a request's share of the step is (t0 + t1 B) / B,
@@ -193,22 +204,21 @@ class GoodputPolicy:
         pass prices it as if every auto request of the step shared it, a second at the groups the first
         formed. Example, B = 16, t0 = 12.6 ms, t1 = 0.57 ms, EAGLE-3 d = 2.6 ms: alone, a request pays the
         full 2.6 ms per depth beside a 1.36 ms share of the step, and a weak lookup looks better; shared
-        by 12, 0.22 ms each. `last` (request id -> its method the step before) tells which model drafters
-        would first have to catch a request up (see choose_method).
+        by 12, 0.22 ms each. `behind(request, method)`: the rows a model drafter would first have to catch
+        the request up on (see choose_method).
         """
         fit = self.cost.fit()
         t0, t1 = fit if fit is not None else NOMINAL_COST
         num_seqs = max(num_seqs or len(requests), 1)
         base = (t0 + t1 * num_seqs) / num_seqs - t1        # base + t1 (1 + L): the request's share
-        last = last or {}
-        first = [self.choose_method(r, k, n, base, len(requests), last.get(r.request_id))
-                 for r, k, n in zip(requests, ks, lengths)]
+        first = [self.choose_method(r, k, n, base, len(requests), behind) for r, k, n in zip(requests, ks, lengths)]
         groups = Counter(first)
-        return [self.choose_method(r, k, n, base, {m: groups[m] + (m != mine) for m in n}, last.get(r.request_id))
+        return [self.choose_method(r, k, n, base, {m: groups[m] + (m != mine) for m in n}, behind)
                 for r, k, n, mine in zip(requests, ks, lengths, first)]
 
     def choose_method(self, request, k: int, lengths: dict[str, int], base: float | None = None,
-                      sharing: int | dict[str, int] | None = None, last: str | None = None) -> str:
+                      sharing: int | dict[str, int] | None = None,
+                      behind: Callable[[object, str], int] | None = None) -> str:
         """`auto`: the candidate with the most expected tokens per second this step, or "none".
 
         lengths: method -> how many drafts it would verify (a context lookup knows, and has already
@@ -218,9 +228,10 @@ class GoodputPolicy:
         best L <= its length, the depth the trim would keep, not at its longest. Plain decoding yields 1
         token for t0 + t1. In a batch (choose_methods) t0 is the request's share of the step (`base`) and
         d_m is split among the `sharing` requests (one count, or per method: the group it would join). A
-        model drafter that did not draft for the request last step (`last`) first catches it up (a head
-        reads the states it skipped, a draft model its unseen tokens): its measured catch-up cost per
-        request joins the step's cost, so auto does not flit between drafters paying catch-ups unpriced. A
+        model drafter that did not draft for the request last step first catches it up on the rows it
+        skipped (`behind`; a head reads them from its stash, a draft model runs them): that forward's
+        measured cost (catch_up_s) joins the step's cost, so auto does not flit between drafters paying
+        catch-ups unpriced. A
         request that drafted nothing for PROBE_EVERY - 1 steps takes the best candidate even when none
         rates higher. The choice reads the context and past acceptance only, never this step's target,
         and no request's text depends on it: greedy and seeded (coupled) sampling emit the same tokens
@@ -238,7 +249,7 @@ class GoodputPolicy:
                 continue
             share = sharing.get(method, 1) if isinstance(sharing, dict) else (sharing or 1)
             share = max(share, 1)
-            switch = self.catch_up_s.get(method, 0.0) if method != last else 0.0
+            switch = self.catch_up_s(method, behind(request, method)) if behind is not None else 0.0
             rate = self._best_rate(self.request_alpha(request, method), n, t0, t1,
                                    self.draft_step_s.get(method, 0.0) / share,
                                    self.follow_up_s.get(method, 0.0) / share + switch)

@@ -1,0 +1,34 @@
+"""How far behind each model drafter is on each `auto` request: the rows its next use must catch up.
+
+A model drafter that `auto` did not choose for a request skips that request's steps (a head with a state
+stash does not observe them, a draft model does not run); when chosen again it first reads what it
+missed in one forward (speculators/hidden_drafter.py catch_up, speculators/draft_model.py). The goodput
+policy prices that forward by its rows (spec_policy.GoodputPolicy.catch_up_s: c0 + c1 * rows, fitted
+online) so `auto` switches a request to a drafter only when the switch pays.
+
+Worked example: a request drafts with eagle3 at 120 tokens, then with suffix for 10 steps of 8 tokens.
+At 200 tokens eagle3 is 80 rows behind; the step after it drafted again it is 0 behind (the verified
+rows of a step a drafter drafted in are its regular observe, priced as its follow-up).
+"""
+from __future__ import annotations
+
+_KEEP = 256             # requests remembered beyond those of the current step
+
+
+class CatchUpLedger:
+    def __init__(self) -> None:
+        self.seen: dict[str, dict[str, int]] = {}    # request id -> method -> num_tokens when it last drafted
+
+    def behind(self, request, method: str, last: str | None) -> int:
+        """Rows `method` must catch up before drafting for `request` (`last`: its method the step before)."""
+        if method == last:
+            return 0
+        return request.num_tokens - self.seen.get(request.request_id, {}).get(method, 0)
+
+    def drafted(self, request, method: str) -> None:
+        self.seen.setdefault(request.request_id, {})[method] = request.num_tokens
+
+    def keep_only(self, live: set[str]) -> None:
+        """Forget finished requests once the table outgrows the running ones."""
+        if len(self.seen) > len(live) + _KEEP:
+            self.seen = {r: m for r, m in self.seen.items() if r in live}
