@@ -174,12 +174,12 @@ def test_a_heads_observe_after_drafting_is_part_of_the_first_depths_price():
 
 
 def test_a_cut_auto_request_rests_from_its_lookups_only_in_a_crowded_step():
-    """Lookups of 0.2 ms a request are ~1 % of a lone request's step and ~6 % of its share of a 16-sequence
+    """Lookups of 0.4 ms a request are ~5 % of a lone request's step and ~50 % of its share of a 16-sequence
     step: only there does a request that drafted nothing skip them, and it still re-chooses every
     RECHOOSE_EVERY-th dry step and on its probe."""
     from specserve.server.engine.spec_policy import RECHOOSE_EVERY
-    p = fitted_policy()
-    p.observe_lookup("suffix", 0.0002, 1)
+    p = fitted_policy(0.008, 0.0003)
+    p.observe_lookup("suffix", 0.0004, 1)
     r = seq("a", 8, method="auto").request
     lookups = ("suffix", "ngram")
     rests = {}
@@ -298,3 +298,15 @@ def test_the_dispatcher_books_a_catch_up_per_row_only_for_requests_auto_switched
         fresh = seq("b", 4, method="auto")
         dispatcher.propose([s, fresh], StepStats())                   # a is warm: the 50 ms are b's 3 rows
         assert booked == [("slowstart", pytest.approx(0.050), 3), ("slowstart", pytest.approx(0.050), 3)]
+
+
+def test_a_prefill_step_does_not_count_as_a_step_without_drafts():
+    """A request's prefill cannot draft: were it counted, every new `auto` request would start resting."""
+    p = fitted_policy()
+    r = seq("p", 8, method="auto")
+    prefill = ScheduledSeq(r.request, 40, 0)
+    p.note_drafting([prefill])
+    assert r.request.request_id not in p.dry
+    r.num_draft_slots = 0
+    p.note_drafting([r])
+    assert p.dry[r.request.request_id] == 1

@@ -71,11 +71,11 @@ NOMINAL_COST = (1.0, 0.05)
 PROBE_EVERY = 8
 # An `auto` request that drafted nothing last step (it chose none, or the trim cut it) rests: it plain-decodes
 # without running the lookups or the choice, while those lookups cost more than REST_SHARE of its share of
-# the step (a crowded step: at 16 requests the lookups and the choice were ~20 % of the step; alone, ~1 %,
-# and a lookup that matches again is worth finding at once). A resting request re-chooses every
-# RECHOOSE_EVERY-th step without drafts and on its probe: its choice changes with the load or the context,
-# and a request that does not draft gains no evidence of its own.
-REST_SHARE = 0.02
+# the step (a crowded step: at 16 requests the lookups and the choice were ~20 % of the step; alone they are
+# ~4 %, and a lookup that matches again, e.g. a repeated answer, is worth 8 tokens a step). A resting request
+# re-chooses every RECHOOSE_EVERY-th step without drafts and on its probe: its choice changes with the load
+# or the context, and a request that does not draft gains no evidence of its own.
+REST_SHARE = 0.10
 RECHOOSE_EVERY = 4
 # A draft-cost sample counts for at most this multiple of the estimate (see observe_propose): a prompt
 # catch-up divided by the depth once priced the embedded draft model at 10.7 ms per depth, EAGLE-3 at 2.3.
@@ -144,10 +144,11 @@ class GoodputPolicy:
         self.history.observe(method, num_draft, num_accepted, band)
 
     def note_drafting(self, seqs: Sequence[ScheduledSeq]) -> None:
-        """After the step's cuts: count the steps in a row each speculating request drafted nothing."""
+        """After the step's cuts: count the steps in a row each speculating request drafted nothing. A
+        prefill chunk (more than one new token) could not draft: it is no evidence either way."""
         for s in seqs:
             rid = s.request.request_id
-            if s.request.spec_params.k <= 0 or not s.samples:
+            if s.request.spec_params.k <= 0 or not s.samples or s.num_new_tokens > 1:
                 continue
             if s.num_draft_slots > 0:
                 self.dry.pop(rid, None)
@@ -164,8 +165,8 @@ class GoodputPolicy:
         """`auto` skips this request's lookups and choice this step (it plain-decodes): it drafted nothing
         last step, this is neither a re-choice step nor its probe, and the `lookups` auto would run cost
         more than REST_SHARE of the request's share of a step of `num_seqs` sequences.
-        Example: t0 = 25 ms, t1 = 1.5 ms, suffix + ngram 0.2 ms a request: alone the share is 26.5 ms
-        (0.8 %: never rests); at 16 sequences 3.1 ms (6 %: rests)."""
+        Example: t0 = 8 ms, t1 = 0.3 ms, suffix + ngram 0.4 ms a request: alone the share is 8.3 ms
+        (5 %: never rests); at 16 sequences 0.8 ms (50 %: rests)."""
         dry = self.dry.get(request.request_id, 0)
         if dry == 0 or dry % RECHOOSE_EVERY == 0 or self.probing(request):
             return False
