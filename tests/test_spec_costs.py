@@ -304,8 +304,11 @@ def test_a_prefill_step_does_not_count_as_a_step_without_drafts():
     """A request's prefill cannot draft: were it counted, every new `auto` request would start resting."""
     p = fitted_policy()
     r = seq("p", 8, method="auto")
-    prefill = ScheduledSeq(r.request, 40, 0)
+    r.request.num_computed_tokens = 0
+    prefill = ScheduledSeq(r.request, 3, 0)                          # the whole prompt: it samples
+    assert prefill.samples
     p.note_drafting([prefill])
+    r.request.num_computed_tokens = 2
     assert r.request.request_id not in p.dry
     r.num_draft_slots = 0
     p.note_drafting([r])
