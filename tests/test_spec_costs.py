@@ -1,6 +1,8 @@
 """What drafting costs the goodput policy and `auto`: lookups once per request, model drafters per depth plus
 their follow-up observe, catch-ups apart, a shared forward split by the batch; cut requests probe; acceptance per
 greedy/sampled band."""
+from contextlib import contextmanager
+
 import pytest
 from test_spec_policy import T0, T1, fitted_policy, seq
 
@@ -145,15 +147,25 @@ class _CatchingUp(Speculator):
         return {}
 
 
-def test_a_catch_up_is_not_booked_as_the_drafters_price_per_depth(monkeypatch):
+@contextmanager
+def _slowstart(monkeypatch, drafter: type = _CatchingUp, with_auto: bool = False):
+    """A dispatcher (no policy) over the fake model drafter `slowstart`, registered, on a fake clock."""
     from specserve.server.engine import spec_dispatch
-    from specserve.server.engine.stats import StepStats
     from specserve.speculators import registry
+    from specserve.speculators.auto import AutoSpeculator
     clock = [0.0]
     monkeypatch.setattr(spec_dispatch.time, "perf_counter", lambda: clock[0])
     entry = registry.Method("slowstart", f"{__name__}:_CatchingUp", "always", model_based=True)
     with registry.registered(entry):
-        dispatcher = spec_dispatch.SpecDispatcher({"slowstart": _CatchingUp(clock)}, policy=None)
+        loaded = {"slowstart": drafter(clock)}
+        if with_auto:
+            loaded["auto"] = AutoSpeculator(loaded)
+        yield spec_dispatch.SpecDispatcher(loaded, policy=None)
+
+
+def test_a_catch_up_is_not_booked_as_the_drafters_price_per_depth(monkeypatch):
+    from specserve.server.engine.stats import StepStats
+    with _slowstart(monkeypatch) as dispatcher:
         for step in range(5):
             seqs = [seq(f"r{step}", 4, method="slowstart")]             # a new request every step
             dispatcher.propose(seqs, StepStats())
@@ -220,9 +232,7 @@ def test_a_tree_step_is_priced_per_depth_not_per_verified_node(monkeypatch):
     drafter's forward at a quarter of its cost, and the policy would then draft deeper than pays."""
     from dataclasses import replace
 
-    from specserve.server.engine import spec_dispatch
     from specserve.server.engine.stats import StepStats
-    from specserve.speculators import registry
     from specserve.speculators.base import DraftTree
 
     class _Tree(_CatchingUp):
@@ -231,11 +241,7 @@ def test_a_tree_step_is_priced_per_depth_not_per_verified_node(monkeypatch):
             self.clock[0] += 0.001 * max(r.spec_params.draft_tree.depth for r in requests)
             return DraftProposal([[7] * k for k in ks], [None] * len(ks))
 
-    clock = [0.0]
-    monkeypatch.setattr(spec_dispatch.time, "perf_counter", lambda: clock[0])
-    entry = registry.Method("slowstart", f"{__name__}:_CatchingUp", "always", model_based=True)
-    with registry.registered(entry):
-        dispatcher = spec_dispatch.SpecDispatcher({"slowstart": _Tree(clock)}, policy=None)
+    with _slowstart(monkeypatch, _Tree) as dispatcher:
         for step in range(5):
             s = seq(f"t{step}", 8, method="slowstart")
             s.request.spec_params = replace(s.request.spec_params, draft_tree=DraftTree(top_k=4, depth=2))
@@ -279,17 +285,8 @@ def test_the_ledger_counts_rows_a_drafter_skipped_since_it_last_drafted():
 
 
 def test_the_dispatcher_books_a_catch_up_per_row_only_for_requests_auto_switched(monkeypatch):
-    from specserve.server.engine import spec_dispatch
     from specserve.server.engine.stats import StepStats
-    from specserve.speculators import registry
-    from specserve.speculators.auto import AutoSpeculator
-    clock = [0.0]
-    monkeypatch.setattr(spec_dispatch.time, "perf_counter", lambda: clock[0])
-    entry = registry.Method("slowstart", f"{__name__}:_CatchingUp", "always", model_based=True)
-    with registry.registered(entry):
-        loaded = {"slowstart": _CatchingUp(clock)}
-        loaded["auto"] = AutoSpeculator(loaded)
-        dispatcher = spec_dispatch.SpecDispatcher(loaded, policy=None)
+    with _slowstart(monkeypatch, with_auto=True) as dispatcher:
         s = seq("a", 4, method="auto")
         booked = []
         dispatcher.learner.observe_catch_up = lambda method, seconds, rows: booked.append((method, seconds, rows))
