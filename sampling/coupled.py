@@ -77,9 +77,16 @@ def gumbel_noise(keys: torch.Tensor,  # [rows] long from noise_keys
     return -torch.log(-torch.log(u))
 
 
+def coupled_scores(probs: torch.Tensor,   # [rows, vocab] float32 distribution, rows sum to 1
+                   keys: torch.Tensor,    # [rows] long from noise_keys
+                   ) -> torch.Tensor:
+    """[rows, vocab] float64: log probs + g, the perturbed scores whose argmax is the coupled choice (a draft
+    tree's seeded children are their top K: speculators/tree_children.py). log 0 = -inf: never chosen."""
+    return probs.double().log() + gumbel_noise(keys, probs.shape[1])
+
+
 def coupled_choice(probs: torch.Tensor,   # [rows, vocab] float32 processed distribution, rows sum to 1
                    keys: torch.Tensor,    # [rows] long from noise_keys
                    ) -> torch.Tensor:
     """[rows] long: argmax(log probs + g). Zero-probability tokens have log 0 = -inf: never chosen."""
-    scores = probs.double().log() + gumbel_noise(keys, probs.shape[1])                # [rows, vocab]
-    return scores.argmax(dim=-1)
+    return coupled_scores(probs, keys).argmax(dim=-1)

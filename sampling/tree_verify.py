@@ -8,13 +8,17 @@ and the grammar mask all see that node's prefix (sampler.py); the walk then goes
 - greedy: the child equal to the row's argmax, while there is one; that argmax is emitted either way;
 - seeded sampling (sampling/coupled.py): the same with argmax(log p + g), g keyed by (seed, position),
   so the text equals plain seeded decoding whatever the tree;
-- unseeded sampling: the children are deterministic, so with p the row's distribution, child x (in
-  order) is accepted with probability p(x) / sum(p); a rejected x is removed from p (p(x) = 0) before the
-  next sibling; when every child is rejected, the token is drawn from what is left of p. Output ~ p:
-  P(first child) = p(x1), P(second) = (1 - p(x1)) * p(x2) / (1 - p(x1)) = p(x2), and so on; a leaf's
-  row draws its bonus token from p.
+- unseeded sampling with sampled children (a model drafter: draft_probs row j is the q node j was drawn
+  from, without replacement with its siblings): recursive rejection sampling over the children in the
+  order drawn (sampling/recursive_rejection.py), the emitted token distributed as the row's p;
+- unseeded sampling with deterministic children (the lookups: no draft_probs): with p the row's
+  distribution, child x (in order) is accepted with probability p(x) / sum(p); a rejected x is removed
+  from p (p(x) = 0) before the next sibling; when every child is rejected, the token is drawn from what is
+  left of p. Output ~ p: P(first child) = p(x1), P(second) = (1 - p(x1)) * p(x2) / (1 - p(x1)) = p(x2),
+  and so on (recursive rejection sampling with one-hot q);
+- a leaf's row draws its bonus token from p.
 
-Worked example (sampled), row 0 p = [0.5, 0.3, 0.2], children tokens [0, 1], uniforms 0.7, 0.4:
+Worked example (deterministic children), row 0 p = [0.5, 0.3, 0.2], children tokens [0, 1], uniforms 0.7, 0.4:
   0.7 < 0.5 fails -> p = [0, 0.3, 0.2]; 0.4 * 0.5 = 0.2 < 0.3 -> accept token 1 and walk on to its row.
 """
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.sampling import coupled
+from specserve.sampling import coupled, recursive_rejection
 from specserve.sampling.batch import SamplingBatch
 from specserve.sampling.logprobs import collect_logprobs
 from specserve.sampling.outputs import SeqSamplingInput, SeqSamplingOutput
@@ -34,8 +38,9 @@ from specserve.sampling.sampler import Sampler
 
 @dataclass
 class TreeInput:
-    seq: SeqSamplingInput    # draft_token_ids: the nodes' tokens; grammar_mask [N + 1, vocab] per node row
-    parents: list[int]       # parents[j] < j, -1: the root
+    seq: SeqSamplingInput    # draft_token_ids: the nodes' tokens; grammar_mask [N + 1, vocab] per node row;
+                             # draft_probs [N, vocab]: row j the q node j was drawn from (None: deterministic)
+    parents: list[int]       # parents[j] < j, -1: the root; siblings in the order they were drawn
 
 
 @dataclass
@@ -103,7 +108,8 @@ class TreeVerifier:
                     tok = int(coupled.coupled_choice(probs[random_row[row]][None], keys.to(probs.device))[0])
                 nxt = next((c for c in kids if tokens[c] == tok), None)
             else:
-                nxt, tok = self._sample(probs[random_row[row]], [tokens[c] for c in kids])
+                q = t.seq.draft_probs[kids[0]] if t.seq.draft_probs is not None and kids else None   # [vocab]
+                nxt, tok = self._sample(probs[random_row[row]], [tokens[c] for c in kids], q)
                 nxt = None if nxt is None else kids[nxt]
             emitted.append(tok)
             if nxt is None:
@@ -113,8 +119,12 @@ class TreeVerifier:
         return TreeOutput(SeqSamplingOutput(token_ids=emitted, num_accepted=len(path)), path)
 
     @staticmethod
-    def _sample(row_probs: torch.Tensor, kid_tokens: list[int]) -> tuple[int | None, int]:
-        """(index of the accepted child or None, the emitted token) for a sampled row [vocab]."""
+    def _sample(row_probs: torch.Tensor, kid_tokens: list[int],
+                draft_probs: torch.Tensor | None = None) -> tuple[int | None, int]:
+        """(index of the accepted child or None, the emitted token) for a sampled row [vocab] whose children
+        were drawn from draft_probs [vocab] (None: deterministic children)."""
+        if draft_probs is not None:
+            return recursive_rejection.verify_children(row_probs, draft_probs, kid_tokens)
         p = row_probs.clone()
         for i, tok in enumerate(kid_tokens):
             total = float(p.sum())

@@ -125,9 +125,12 @@ class SpecStats:
 @dataclass
 class DraftProposal:
     token_ids: list[list[int]]                   # per request, k_i draft ids (k_i may be < asked, even 0)
-    draft_probs: list[torch.Tensor | None]     # per request, [k_i, vocab] or None (deterministic drafts)
+    # per request, [k_i, vocab] or None (deterministic drafts): row j is the distribution draft j was drawn
+    # from; for a tree, node j's (its parent's draft distribution, shared by its siblings)
+    draft_probs: list[torch.Tensor | None]
     # per request, None (a chain) or a draft tree: parents[j] is node j's parent node (-1: the last known
-    # token), parents[j] < j; token_ids[i][j] is node j's token (speculators/draft_tree.py)
+    # token), parents[j] < j; token_ids[i][j] is node j's token; siblings in the order they were drawn
+    # (speculators/draft_tree.py)
     parents: list[list[int] | None] | None = None
 
 

@@ -24,7 +24,8 @@ accepts d1 only and emits r: context [a b c d1 r]. Next step: KV at position 3 (
 Sampling: greedy requests get argmax drafts (draft_probs None); unseeded sampled ones get drafts drawn
 from the draft model's own distribution at the request's temperature/top-k/top-p with those probs
 returned, which keeps rejection sampling exact; seeded ones get coupled drafts (position-keyed Gumbel
-noise, no probs), which keeps the seed's text (speculators/draft_sampling.py).
+noise), which keeps the seed's text (speculators/draft_sampling.py). A tree's children are drawn the same
+ways (speculators/tree_children.py), each node with the probs it was drawn from.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class _Live:
     k: int
     tree: DraftTree | None = None                            # None: a chain
     tokens: list[int] = field(default_factory=list)          # drafts so far (a tree: its nodes)
-    probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] per random draft
+    probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] per random draft (a tree: per node)
     parents: list[int] | None = None                         # a tree's parents (draft_tree.best_nodes)
 
 
@@ -141,7 +142,7 @@ class DraftModelSpeculator(Speculator):
         parents: list[list[int] | None] = [None for _ in requests]
         for item in live:
             token_ids[item.index] = item.tokens
-            parents[item.index] = item.parents     # a tree's children are deterministic: no draft distribution
+            parents[item.index] = item.parents
             if item.probs:
                 probs[item.index] = torch.stack(item.probs)            # [k_i, vocab]
         return DraftProposal(token_ids, probs, parents)
@@ -200,8 +201,9 @@ class DraftModelSpeculator(Speculator):
     def _grow(self, items: list[_Live], logits: torch.Tensor) -> None:
         """The tree requests' trees from forward 1's last rows (logits [a, vocab])."""
         start = time.perf_counter()
-        for item, (tokens, parents) in zip(items, self.trees.build(items, logits)):
-            item.tokens, item.parents = tokens, parents
+        for item, (tokens, parents, probs) in zip(items, self.trees.build(items, logits)):
+            # probs [nodes, vocab]: per node the q it was drawn from (None: top-K children, greedy)
+            item.tokens, item.parents, item.probs = tokens, parents, [] if probs is None else list(probs)
         self.trees.build_seconds += time.perf_counter() - start
         self.trees.num_built += len(items)
         self.trees.num_calls += 1

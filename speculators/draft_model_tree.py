@@ -16,8 +16,10 @@ num_confirmed = N and no speculative tokens, so the next propose recomputes the 
 position N (the accepted path and the bonus token, usually a few rows), overwriting those keys. Reading them as
 a chain's rows would be wrong: key N + 1 holds the first node's sibling at position N, not its child.
 
-At T > 0 the children are the draft's top K all the same (no draft distribution: sampling/tree_verify.py
-keeps verification exact for deterministic children), as for the heads.
+At T > 0 the children are sampled from the draft's distribution q at the request's temperature and truncation
+(speculators/tree_children.py: a seeded request's first child is its chain's coupled draft, an unseeded
+request's children are drawn without replacement), and every node carries the q it was drawn from for the
+verifier's recursive rejection sampling (sampling/recursive_rejection.py), as for the heads.
 
 Worked example, K = 2, D = 3, context t_0..t_4 (N = 5): the first forward's last row gives a, b (depth 1).
 Step 1: rows a, b at position 5, keys 5, 6, each seeing keys 0..4 and itself -> children of a: c, d; of b:
@@ -33,13 +35,14 @@ import torch
 from specserve.server.models.attention import build_attention_metadata
 from specserve.server.models.tree_attention import restrict_rows
 from specserve.speculators.base import DraftTree
-from specserve.speculators.draft_tree import Candidate, best_nodes, top_children
+from specserve.speculators.draft_tree import Candidate, Tree, add_children, best_nodes, children_of_rows
 
 
 @dataclass
 class _Tree:
     """One request's tree while it is built."""
     tree: DraftTree
+    request: object                  # the engine request (sampling params: its children's draw)
     n_tok: int                       # N: the context's keys are [0, N) (a draft model's KV starts at 0)
     block_ids: list[int]             # the draft KV blocks of the request
     cands: list[Candidate]
@@ -69,16 +72,15 @@ class DraftModelTreeBuilder:
         return n_tok + tree.top_k * (tree.depth - 1)
 
     def build(self, items: list, logits: torch.Tensor,   # [a, target vocab] float32: the first forward's last rows
-              ) -> list[tuple[list[int], list[int]]]:
+              ) -> list[Tree]:
         """items: the draft model's _Live entries (request, state, k) of tree requests, their context computed
-        and their KV reserved to kv_end -> per item (tokens, parents)."""
-        logprobs = logits.log_softmax(dim=-1)                                         # [a, V]
+        and their KV reserved to kv_end -> per item its tree."""
         grow: list[_Tree] = []
-        for item, lp in zip(items, logprobs):
-            tree = item.request.spec_params.draft_tree
-            cands = [Candidate(tok, v, -1, 1) for tok, v in top_children(lp, tree.top_k)]
-            grow.append(_Tree(tree, item.request.num_tokens, item.state.kv.block_ids, cands,
-                              list(range(len(cands)))))
+        for item, kids in zip(items, children_of_rows(logits, [(item.request, 1) for item in items], 0)):
+            g = _Tree(item.request.spec_params.draft_tree, item.request, item.request.num_tokens,
+                      item.state.kv.block_ids, [], [])
+            g.frontier = add_children(g.cands, -1, kids, 1)
+            grow.append(g)
         for s in range(1, max(g.tree.depth for g in grow)):
             work = [g for g in grow if g.tree.depth > s and g.frontier]
             if work:
@@ -86,8 +88,8 @@ class DraftModelTreeBuilder:
         return [best_nodes(g.cands, item.k) for item, g in zip(items, grow)]
 
     def _expand(self, s: int, work: list[_Tree]) -> None:
-        """Depth step s: one draft-model forward over every request's frontier rows, then the K best children
-        of each frontier node, the K best of those kept as the next frontier."""
+        """Depth step s: one draft-model forward over every request's frontier rows, then the K children of
+        each frontier node, the K best of those kept as the next frontier."""
         d = self.d
         q_lens, seq_lens, tokens, positions = [], [], [], []
         for g in work:
@@ -104,15 +106,12 @@ class DraftModelTreeBuilder:
             restrict_rows(attn, i, self._mask(g, seq_lens[i]))
         # RoPE at the node's place in the text; the keys (slots, causality) stay the metadata's
         attn.positions = torch.tensor(positions, dtype=torch.long, device=attn.positions.device)   # [rows]
-        logprobs = d.logits_of_rows(tokens, attn).log_softmax(dim=-1)                # [rows, V]
-        row = 0
+        logits = d.logits_of_rows(tokens, attn)                                       # [rows, V]
+        kids = iter(children_of_rows(logits, [(g.request, len(g.frontier)) for g in work], s))
         for g in work:
             children: list[int] = []
             for c in g.frontier:
-                for tok, v in top_children(logprobs[row], g.tree.top_k):
-                    children.append(len(g.cands))
-                    g.cands.append(Candidate(tok, g.cands[c].score + v, c, s + 1))
-                row += 1
+                children += add_children(g.cands, c, next(kids), s + 1)
             g.frontier = sorted(children, key=lambda i: (-g.cands[i].score, i))[:g.tree.top_k]
 
     @staticmethod

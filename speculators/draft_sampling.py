@@ -42,7 +42,7 @@ def sample_drafts(logits: torch.Tensor,                        # [n, vocab] floa
     if random_rows:
         rows = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
         sub = [params[i] for i in random_rows]
-        probs = _probs(logits.index_select(0, rows).float(), sub)           # [m, vocab]
+        probs = drafter_probs(logits.index_select(0, rows).float(), sub)                # [m, vocab]
         drawn = _draw(probs, sub, [starts[i] for i in random_rows], [offsets[i] for i in random_rows])
         tokens = tokens.index_copy(0, rows, drawn)
         for j, i in enumerate(random_rows):
@@ -67,9 +67,10 @@ def append_drafts(items: Sequence, logits: torch.Tensor,  # [n, vocab] float32, 
             item.probs.append(prob)
 
 
-def _probs(logits: torch.Tensor,   # [m, vocab] float32
-           params: list[SamplingParams]) -> torch.Tensor:
-    """[m, vocab]: softmax of the temperature-scaled, truncated logits."""
+def drafter_probs(logits: torch.Tensor,   # [m, vocab] float32
+                  params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[m, vocab]: softmax of the temperature-scaled, truncated logits (sampled requests only: temperature > 0).
+    A draft tree's sampled children are drawn from it too (speculators/tree_children.py)."""
     vocab = logits.shape[1]
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     scaled = logits / temperature[:, None]                                   # a fresh tensor: editable

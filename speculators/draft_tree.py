@@ -2,12 +2,19 @@
 
 A request's `"draft_tree": {"top_k": K, "depth": D}` with num_speculative_tokens N: starting from the
 drafter's distribution after the last known token, the frontier (first: the K best first tokens) is
-expanded by the K best children of every node, each scored by its cumulative draft log-probability (the
-sum along its path); the K best of those K * K become the next frontier, D times in all. Then every
+expanded by the K best children of every node, each scored (greedy requests) by its cumulative draft
+log-probability (the sum along its path); the K best of those K * K become the next frontier, D times in all. Then every
 candidate of every depth is ranked by its score and the best N are verified. A parent scores at least as
 high as its children (log-probabilities are <= 0, ties go to the shallower node), so the kept nodes always
 form a tree. The drafter's own attention at depth s sees the context and the node's ancestors only
 (server/models/tree_attention.py), each node at RoPE position base + depth in a KV slot of its own.
+
+Sampled requests (T > 0) get sampled children instead of the top K (speculators/tree_children.py): a
+seeded request's are the K best of the draft's coupled scores log q + g at the children's position (the first
+is the chain's coupled draft), an unseeded request's K draws without replacement from q, scored by their
+perturbed log-probability relative to the node's best (0 for the first child) rather than by log q, so the
+verifier's recursive rejection sampling stays exact (sampling/recursive_rejection.py); each node then carries
+the q it was drawn from (the proposal's draft_probs row).
 
 K = 1 is the chain: such a request never reaches this module (SpecParams.draft_tree top_k 1 drafts the
 chain code, bit for bit).
@@ -26,6 +33,7 @@ import torch
 from specserve.server.models.attention import build_attention_metadata
 from specserve.server.models.tree_attention import restrict_rows
 from specserve.speculators.base import DraftTree
+from specserve.speculators.tree_children import Children, draw_children
 from specserve.speculators.tree_shape import as_tree, check_tree
 
 __all__ = ["HeadTreeBuilder", "as_tree", "best_nodes", "check_tree"]
@@ -33,19 +41,44 @@ __all__ = ["HeadTreeBuilder", "as_tree", "best_nodes", "check_tree"]
 @dataclass
 class Candidate:
     token: int
-    score: float          # cumulative draft log-probability of the path root -> this node
+    score: float          # the path's summed child scores (greedy: its cumulative draft log-probability)
     parent: int           # index into the candidate list, -1: the last known token
     depth: int            # 1: a first draft token
+    probs: torch.Tensor | None = None   # [V] the draft distribution it was drawn from (sampled children)
 
 
-def best_nodes(cands: Sequence[Candidate], n: int) -> tuple[list[int], list[int]]:
-    """The n best candidates as a tree: (tokens, parents) in depth order, parents[j] < j (-1: root)."""
+# (tokens, parents, probs): per node its token and parent (-1: the root), and [n, V] the q each was drawn from
+# (None: top-K children); nodes in depth order, parents[j] < j
+Tree = tuple[list[int], list[int], torch.Tensor | None]
+
+
+def best_nodes(cands: Sequence[Candidate], n: int) -> Tree:
+    """The n best candidates as a tree. Siblings keep their drawn order (their scores fall along it)."""
     ranked = sorted(range(len(cands)), key=lambda i: (-cands[i].score, cands[i].depth, i))[:n]
     keep = sorted(ranked, key=lambda i: (cands[i].depth, i))
     where = {c: j for j, c in enumerate(keep)}
     tokens = [cands[c].token for c in keep]
     parents = [-1 if cands[c].parent < 0 else where[cands[c].parent] for c in keep]
-    return tokens, parents
+    rows = [cands[c].probs for c in keep]
+    return tokens, parents, None if any(r is None for r in rows) else torch.stack(rows)
+
+
+def add_children(cands: list[Candidate], parent: int, kids: Children, depth: int) -> list[int]:
+    """Append candidate `parent`'s children (-1: the root's) at `depth` -> their candidate indices."""
+    first, base = len(cands), cands[parent].score if parent >= 0 else 0.0
+    cands.extend(Candidate(tok, base + v, parent, depth, kids.probs) for tok, v in kids)
+    return list(range(first, len(cands)))
+
+
+def children_of_rows(logits: torch.Tensor,   # [rows, V] drafter logits: each work item's rows in turn
+                     work: Sequence[tuple], s: int) -> list[Children]:
+    """Per row the children of its node at depth s (0: the root). work: (request, rows) pairs."""
+    params, positions, top_ks = [], [], []
+    for request, rows in work:
+        params += [request.sampling_params] * rows
+        positions += [request.num_tokens + s] * rows           # the children's absolute position
+        top_ks += [request.spec_params.draft_tree.top_k] * rows
+    return draw_children(logits, params, positions, top_ks)
 
 
 @dataclass
@@ -58,12 +91,6 @@ class _Growing:
     frontier: list[int]              # candidate indices to expand next
     states: dict[int, torch.Tensor]  # candidate -> [H] the state its children's logits came from (parent row)
     row_key: dict[int, int]          # expanded candidate -> relative KV index of its drafter row
-
-
-def top_children(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    """logprobs [V] -> the k best (token, log-probability), best first (-inf tokens never)."""
-    vals, ids = logprobs.topk(min(k, logprobs.shape[0]))
-    return [(t, v) for t, v in zip(ids.tolist(), vals.tolist()) if v > float("-inf")]
 
 
 class HeadTreeBuilder:
@@ -83,20 +110,17 @@ class HeadTreeBuilder:
         expanded node (K per depth after the first)."""
         return n_tok - 1 + tree.top_k * (tree.depth - 1)
 
-    def build(self, items: list) -> list[tuple[list[int], list[int]]]:
+    def build(self, items: list) -> list[Tree]:
         """items: the drafter's _Live entries (request, seq, k) of tree requests, their KV reserved to
-        kv_end -> per item (tokens, parents)."""
-        head = self.d.head
+        kv_end -> per item its tree."""
         grow: list[_Growing] = []
         first = torch.cat([item.seq.carry[0][-1:] for item in items])               # [a, H] = g^0_{N-2}
-        logprobs = head.logits(0, first).log_softmax(dim=-1)                          # [a, V]
-        for item, row, lp in zip(items, first, logprobs):
-            tree = item.request.spec_params.draft_tree
-            g = _Growing(tree, item.request.num_tokens - 1, item.seq.kv.start, [], [], {}, {})
-            for tok, v in top_children(lp, tree.top_k):
-                g.states[len(g.cands)] = row
-                g.cands.append(Candidate(tok, v, -1, 1))
-            g.frontier = list(range(len(g.cands)))
+        kids = children_of_rows(self.d.head.logits(0, first), [(item.request, 1) for item in items], 0)
+        for item, row, node_kids in zip(items, first, kids):
+            g = _Growing(item.request.spec_params.draft_tree, item.request.num_tokens - 1, item.seq.kv.start,
+                         [], [], {}, {})
+            g.frontier = add_children(g.cands, -1, node_kids, 1)
+            g.states.update(dict.fromkeys(g.frontier, row))
             grow.append(g)
         for s in range(1, max(g.tree.depth for g in grow)):
             self._expand(s, [(item, g) for item, g in zip(items, grow) if g.tree.depth > s and g.frontier])
@@ -104,7 +128,7 @@ class HeadTreeBuilder:
 
     def _expand(self, s: int, work: list[tuple]) -> None:
         """One depth: a drafter row per frontier node (its state, its token, position base + s - 1... the
-        chain's alignment: hidden_drafter.py), then the K best children of each, the K best overall kept."""
+        chain's alignment: hidden_drafter.py), then the K children of each, the K best overall kept."""
         if not work:
             return
         d = self.d
@@ -125,15 +149,15 @@ class HeadTreeBuilder:
         out = d.head.layer(0, torch.stack(hidden), torch.tensor(tokens, dtype=torch.long, device=d.device),
                            torch.tensor(positions, dtype=torch.long, device=d.device),
                            max(positions) + 1, attn, d.cache.caches[0])              # [rows, H]
-        logprobs = d.head.logits(0, out).log_softmax(dim=-1)                          # [rows, V]
+        logits = d.head.logits(0, out)                                                # [rows, V]
+        kids = iter(children_of_rows(logits, [(item.request, len(g.frontier)) for item, g in work], s))
         row = 0
         for _, g in work:
             children: list[int] = []
             for c in g.frontier:
-                for tok, v in top_children(logprobs[row], g.tree.top_k):
-                    g.states[len(g.cands)] = out[row]
-                    children.append(len(g.cands))
-                    g.cands.append(Candidate(tok, g.cands[c].score + v, c, s + 1))
+                added = add_children(g.cands, c, next(kids), s + 1)
+                g.states.update(dict.fromkeys(added, out[row]))
+                children += added
                 row += 1
             g.frontier = sorted(children, key=lambda i: (-g.cands[i].score, i))[:g.tree.top_k]
 

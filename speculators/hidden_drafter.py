@@ -260,10 +260,12 @@ class HiddenStateDrafter:
                 continue
             (grown if tree is not None else live).append(_Live(i, req, seq, k))
         parents: list[list[int] | None] = [None for _ in requests]
+        probs: list[torch.Tensor | None] = [None for _ in requests]
         if grown:
             t0 = time.perf_counter()
-            for item, (tokens, tree_parents) in zip(grown, self.trees.build(grown)):
-                item.tokens, parents[item.index] = tokens, tree_parents
+            for item, (tokens, tree_parents, tree_probs) in zip(grown, self.trees.build(grown)):
+                # tree_probs [nodes, vocab]: per node the q it was drawn from (None: top-K children)
+                item.tokens, parents[item.index], probs[item.index] = tokens, tree_parents, tree_probs
             self.trees.build_seconds += time.perf_counter() - t0
             self.trees.num_built += len(grown)
             self.trees.num_calls += 1
@@ -277,12 +279,11 @@ class HiddenStateDrafter:
             for s in range(1, max(item.k for item in live)):
                 self._step(s, [item for item in live if item.k > s])
         token_ids: list[list[int]] = [[] for _ in requests]
-        probs: list[torch.Tensor | None] = [None for _ in requests]
         for item in live:
             token_ids[item.index] = item.tokens
             probs[item.index] = torch.stack(item.probs) if item.probs else None      # [k_i, vocab]
         for item in grown:
-            token_ids[item.index] = item.tokens      # deterministic children: no draft distribution
+            token_ids[item.index] = item.tokens
         return DraftProposal(token_ids, probs, parents)
 
     def _step(self, s: int, items: list[_Live]) -> None:

@@ -35,13 +35,21 @@ from specserve.server.models.attention import build_attention_metadata
 from specserve.server.models.attention_metadata import SHORT_QUERY_MAX
 from specserve.server.models.tree_attention import restrict_rows
 from specserve.speculators.base import DraftTree
-from specserve.speculators.draft_tree import Candidate, HeadTreeBuilder, best_nodes, top_children
+from specserve.speculators.draft_tree import (
+    Candidate,
+    HeadTreeBuilder,
+    Tree,
+    add_children,
+    best_nodes,
+    children_of_rows,
+)
 
 
 @dataclass
 class _Tree:
     """One request's tree while it is built."""
     tree: DraftTree
+    request: object                  # the engine request (sampling params, num_tokens: its children's draw)
     seq: object                      # the drafter's _HeadSeq: kv, ends, carry (read only)
     n_tok: int                       # N
     cands: list[Candidate]
@@ -70,19 +78,17 @@ class LayeredTreeBuilder(HeadTreeBuilder):
             ends.append(n_tok - 1 - m + m * k + (k * (d - n) if m == n - 1 else 0))
         return max(ends)
 
-    def build(self, items: list) -> list[tuple[list[int], list[int]]]:
+    def build(self, items: list) -> list[Tree]:
         """items: the drafter's _Live entries (request, seq, k) of tree requests, their KV reserved to
-        kv_end -> per item (tokens, parents)."""
+        kv_end -> per item its tree."""
         n = self.d.n
         first = torch.cat([item.seq.carry[0][-1:] for item in items])               # [a, H] = g^0_{N-2}
-        logprobs = self.d.head.logits(0, first).log_softmax(dim=-1)                   # [a, V]
+        kids = children_of_rows(self.d.head.logits(0, first), [(item.request, 1) for item in items], 0)
         grow: list[_Tree] = []
-        for item, lp in zip(items, logprobs):
-            tree = item.request.spec_params.draft_tree
-            g = _Tree(tree, item.seq, item.request.num_tokens, [], [], [{} for _ in range(n)],
-                      [{} for _ in range(n)], [0] * n)
-            g.cands = [Candidate(tok, v, -1, 1) for tok, v in top_children(lp, tree.top_k)]
-            g.frontier = list(range(len(g.cands)))
+        for item, node_kids in zip(items, kids):
+            g = _Tree(item.request.spec_params.draft_tree, item.request, item.seq, item.request.num_tokens, [], [],
+                      [{} for _ in range(n)], [{} for _ in range(n)], [0] * n)
+            g.frontier = add_children(g.cands, -1, node_kids, 1)
             grow.append(g)
         for s in range(1, max(g.tree.depth for g in grow)):
             self._expand(s, [g for g in grow if g.tree.depth > s and g.frontier])
@@ -91,7 +97,7 @@ class LayeredTreeBuilder(HeadTreeBuilder):
     def _expand(self, s: int, work: list[_Tree]) -> None:
         """Depth step s: layer min(s, n-1) over the rows the frontier needs (in rounds of at most
         SHORT_QUERY_MAX rows per request: a later round's rows see the earlier ones in the KV), then the K
-        best children of each frontier node, the K best overall kept."""
+        children of each frontier node, the K best overall kept."""
         if not work:
             return
         m = min(s, self.d.n - 1)
@@ -100,15 +106,11 @@ class LayeredTreeBuilder(HeadTreeBuilder):
             self._forward(m, [(g, nodes[:SHORT_QUERY_MAX]) for g, nodes in todo if nodes])
             todo = [(g, nodes[SHORT_QUERY_MAX:]) for g, nodes in todo]
         states = torch.stack([g.out[m][c] for g in work for c in g.frontier])         # [rows, H]
-        logprobs = self.d.head.logits(m, states).log_softmax(dim=-1)                  # [rows, V]
-        row = 0
+        kids = iter(children_of_rows(self.d.head.logits(m, states), [(g.request, len(g.frontier)) for g in work], s))
         for g in work:
             children: list[int] = []
             for c in g.frontier:
-                for tok, v in top_children(logprobs[row], g.tree.top_k):
-                    children.append(len(g.cands))
-                    g.cands.append(Candidate(tok, g.cands[c].score + v, c, s + 1))
-                row += 1
+                children += add_children(g.cands, c, next(kids), s + 1)
             g.frontier = sorted(children, key=lambda i: (-g.cands[i].score, i))[:g.tree.top_k]
 
     def _rows(self, g: _Tree, s: int, m: int) -> list[int]:

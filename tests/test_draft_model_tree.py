@@ -3,11 +3,12 @@ its own first two layers (with its embedding, final norm and lm_head: a layer-sk
 is close to a bigram model, so the draft predicts it well and accepts paths off a node's first child too.
 
 Checks: greedy tree output equals plain greedy, alone and in a batch mixing trees, chains and plain requests,
-and seeded tree text equals plain seeded; every node's score equals the sum along its path of the
-log-probabilities of a from-scratch transformers forward of the draft over context + path (the first build
-and the builds after tree steps); after a tree step the drafts equal those of a fresh request's draft, which
-never saw the tree's rows (and do not when the draft trusts the tree's first-child line as a chain's KV, a
-planted bug); the server default tree applies to draft.
+and seeded tree text equals plain seeded, alone and in a batch with chains, plain decoding, unseeded and greedy
+trees; every node's score equals the sum along its path of the log-probabilities of a from-scratch
+transformers forward of the draft over context + path (the first build and the builds after tree steps);
+after a tree step the drafts equal those of a fresh request's draft, which never saw the tree's rows (and do
+not when the draft trusts the tree's first-child line as a chain's KV, a planted bug); the server default
+tree applies to draft.
 """
 from __future__ import annotations
 
@@ -74,8 +75,10 @@ def test_greedy_tree_equals_plain_alone_and_mixed(engine):
     assert_no_leaks(engine)
 
 
-def test_seeded_tree_text_equals_plain_seeded(engine):
-    """At T > 0 the children are the draft's top K (no draft distribution), verified exactly."""
+def test_seeded_tree_text_equals_plain_seeded_alone_and_mixed(engine):
+    """A seeded tree's children are the best of the draft's coupled scores (the first: the chain's coupled
+    draft); the verifier follows the target's coupled choice, so the text is plain seeded text, alone and in a
+    batch with chains, plain decoding, an unseeded tree and a greedy tree."""
     prompts = encode(engine)
     params = SamplingParams(temperature=0.8, seed=5, top_p=0.95, max_tokens=20, ignore_eos=True)
     refs = [o.token_ids for o in engine.generate(prompts, params)]
@@ -83,6 +86,17 @@ def test_seeded_tree_text_equals_plain_seeded(engine):
     assert [o.token_ids for o in outs] == refs
     assert all(o.spec_stats.num_tree_steps > 0 for o in outs)
     assert sum(o.spec_stats.num_accepted_tokens for o in outs) > 0
+    other = SamplingParams(temperature=0.8, seed=9, max_tokens=20, ignore_eos=True)
+    other_ref = engine.generate(prompts[:1], other)[0].token_ids
+    unseeded = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True)
+    mixed_params = [params, params, params, other, unseeded, SamplingParams(**GREEDY, max_tokens=20)]
+    mixed_spec = [tree(8, 3, 4), SpecParams("draft", 4), SpecParams("none", 0), tree(6, 2, 3), tree(8, 2, 4),
+                  tree(8, 3, 3)]
+    mixed = engine.generate([prompts[i % 3] for i in range(3)] + [prompts[0]] * 3, mixed_params, mixed_spec)
+    assert [o.token_ids for o in mixed[:3]] == refs and mixed[3].token_ids == other_ref
+    assert len(mixed[4].token_ids) == 20
+    assert mixed[5].token_ids == engine.generate(prompts[:1], mixed_params[5])[0].token_ids
+    assert all(mixed[i].spec_stats.num_tree_steps > 0 for i in (0, 3, 4, 5))
 
 
 # ------------------------------------------------------------------------- scores against a reference
@@ -175,7 +189,7 @@ def test_a_draft_that_reads_the_tree_rows_as_a_chain_differs(engine, monkeypatch
 
     def chain_claim(items, logits):
         out = build(items, logits)
-        for item, (tokens, parents) in zip(items, out):
+        for item, (tokens, parents, _) in zip(items, out):
             line, node = [], 0
             while node is not None:
                 line.append(tokens[node])

@@ -1,17 +1,18 @@
 """Unseeded sampled draft trees through the whole engine keep the target's distribution (the setup, law and
 chi-square of tests/test_engine_distribution.py: T = 1, top-p, min-p, logit_bias, six tokens carry the mass).
 
-A tree verifies deterministic children, so at a node each child x is accepted with probability p(x) under
-the target's row renormalised without the siblings rejected before it (sampling/tree_verify.py). A planted
-bug that keeps the rejected siblings in the distribution (later siblings and the final draw see them
-again) must fail the test.
+The EAGLE-3 head's children are drawn without replacement from its distribution q and verified by recursive
+rejection sampling (sampling/recursive_rejection.py): child x_i is accepted with probability
+min(1, p_i(x_i) / q_i(x_i)), a rejection moves p to the residual norm(max(p_i - q_i, 0)) and q to q without
+x_i. A planted bug that keeps the target's row after a rejection (later siblings and the final draw see the
+rejected mass again) must fail the test.
 """
 from __future__ import annotations
 
 import pytest
 from test_engine_distribution import BIAS, MIN_P, NUM_REQUESTS, NUM_TOKENS, PROMPT, TOP_P, S, p_value, setup
 
-from specserve.sampling import tree_verify
+from specserve.sampling import recursive_rejection
 from specserve.sampling.params import SamplingParams
 from specserve.speculators.base import DraftTree, SpecParams
 
@@ -38,10 +39,10 @@ def test_sampled_tree_keeps_the_targets_distribution(setup):
     assert p > 1e-3, p
 
 
-def test_keeping_rejected_siblings_fails_it(setup, monkeypatch):
+def test_keeping_the_row_after_a_rejection_fails_it(setup, monkeypatch):
     engine, law = setup
-    monkeypatch.setattr(tree_verify, "_reject", lambda p, token: None)
+    monkeypatch.setattr(recursive_rejection, "residual", lambda target_probs, draft_probs: target_probs)
     samples, _ = tree_continuations(engine)
     p = p_value(samples, law)
-    print(f"tree keeping rejected siblings: p = {p:.3g}")
+    print(f"tree keeping the row after a rejection: p = {p:.3g}")
     assert p < 1e-6, p
