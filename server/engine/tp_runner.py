@@ -36,6 +36,7 @@ from specserve.server.models.shard_loader import check_shardable, load_sharded_m
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
+DEATH_WAIT_S = 1.0          # after a failed collective: time for a killed rank to be reaped
 
 
 class TPRankDied(RuntimeError):
@@ -68,8 +69,12 @@ class TPSession:
         self._finalizer = weakref.finalize(self, TPSession._stop_procs, self.procs)
         atexit.register(self.close)
 
-    def check_alive(self) -> None:
+    def check_alive(self, wait_s: float = 0.0) -> None:
+        """TPRankDied naming the first rank that has exited. wait_s: after a failed collective, how long a
+        rank that is going (its sockets already closed) may take to be reaped."""
         for rank, proc in enumerate(self.procs, start=1):
+            if wait_s > 0.0:
+                proc.join(wait_s / len(self.procs))
             if not proc.is_alive():
                 raise TPRankDied(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}; "
                                  "the engine cannot run without it: restart the server")
@@ -133,11 +138,13 @@ class TPModelRunner(ModelRunner):
             num_seqs, query_len, context_len, reps), TimeCall(num_seqs, query_len, context_len, reps))
 
     def _collective(self, run, msg: object):
-        self.session.send(msg)
         try:
+            self.session.send(msg)          # its broadcast fails too when a rank died after the liveness check
             return run()
+        except TPRankDied:
+            raise
         except RuntimeError as exc:      # a failed collective: say which rank is gone when one is
-            self.session.check_alive()
+            self.session.check_alive(wait_s=DEATH_WAIT_S)
             raise TPRankDied(f"a tensor-parallel collective failed: {exc}") from exc
 
     def close(self) -> None:
