@@ -60,7 +60,7 @@ if torch.cuda.is_available():  # flash-attn is CUDA-only: never even imported on
         FLASH_ATTN_AVAILABLE = True
     except ImportError as exc:  # pragma: no cover - depends on the machine
         logger.warning("CUDA is available but flash_attn is not importable (%s); using torch SDPA", exc)
-logger.info("attention backend on CUDA: %s", "flash-attn" if FLASH_ATTN_AVAILABLE else "torch SDPA")
+    logger.info("attention backend on CUDA: %s", "flash-attn" if FLASH_ATTN_AVAILABLE else "torch SDPA")
 
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "paged")
