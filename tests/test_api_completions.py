@@ -233,3 +233,17 @@ def test_eight_concurrent_requests_mixing_methods_and_k_equal_plain_greedy(clien
         assert r.model_extra["speculation"]["method"] == spec["method"]
     exact = results[4]
     assert exact.usage.completion_tokens_details.accepted_prediction_tokens > 0  # the exact prediction is used
+
+
+def test_legacy_logprobs_keep_the_sampled_tokens_entry_when_two_tokens_share_a_text():
+    """Two ids can decode to the same string (partial UTF-8 bytes both show as U+FFFD); the legacy format is a
+    map from text, and its entry for the sampled token's text must be the sampled token's logprob."""
+    from types import SimpleNamespace
+
+    from specserve.sampling.outputs import TokenLogprob
+    from specserve.server.api.logprobs import CompletionLogprobsFormatter
+    texts = {1: "a", 2: "\ufffd", 3: "b", 4: "\ufffd"}
+    fmt = CompletionLogprobsFormatter(SimpleNamespace(token_str=texts.__getitem__), num_top=3)
+    out = fmt.output([TokenLogprob(4, -9.2, [(1, -8.3), (2, -8.4), (3, -8.5)])])   # 4 sampled, 2 in the top
+    assert out.tokens == ["\ufffd"] and out.token_logprobs == [-9.2]
+    assert out.top_logprobs == [{"a": -8.3, "\ufffd": -9.2, "b": -8.5}]

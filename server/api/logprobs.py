@@ -67,7 +67,9 @@ class CompletionLogprobsFormatter:
         top: dict[str, float] = {}
         for alt_id, alt_logprob in entry.top[: self.num_top]:
             top.setdefault(self.tokenizer.token_str(alt_id), _finite(alt_logprob))
-        top.setdefault(token, _finite(entry.logprob))
+        # the sampled token's own entry wins a text collision (two ids decoding to the same string, e.g. two
+        # partial UTF-8 bytes shown as U+FFFD): top_logprobs[i][tokens[i]] is always token_logprobs[i]
+        top[token] = _finite(entry.logprob)
         out.top_logprobs.append(top)
 
 
