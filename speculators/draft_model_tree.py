@@ -35,7 +35,14 @@ import torch
 from specserve.server.models.attention import build_attention_metadata
 from specserve.server.models.tree_attention import restrict_rows
 from specserve.speculators.base import DraftTree
-from specserve.speculators.draft_tree import Candidate, Tree, add_children, best_nodes, children_of_rows
+from specserve.speculators.draft_tree import (
+    Candidate,
+    Tree,
+    add_children,
+    ancestor_mask,
+    best_nodes,
+    children_of_rows,
+)
 
 
 @dataclass
@@ -117,11 +124,4 @@ class DraftModelTreeBuilder:
     @staticmethod
     def _mask(g: _Tree, seq_len: int) -> torch.Tensor:
         """[frontier, seq_len] bool: the context, and each frontier node's own and its ancestors' rows."""
-        allowed = torch.zeros(len(g.frontier), seq_len, dtype=torch.bool)
-        allowed[:, :g.n_tok] = True
-        for r, c in enumerate(g.frontier):
-            node = c
-            while node >= 0:
-                allowed[r, g.key[node]] = True
-                node = g.cands[node].parent
-        return allowed
+        return ancestor_mask(g.frontier, g.cands, g.key, g.n_tok, seq_len)

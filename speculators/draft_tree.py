@@ -164,12 +164,19 @@ class HeadTreeBuilder:
     @staticmethod
     def _mask(g: _Growing, seq_len: int) -> torch.Tensor:
         """[frontier, seq_len] bool: the context before the tree, and each frontier node's ancestors' rows."""
-        ctx = g.base - g.kv_start                       # relative keys [0, ctx): the observed context
-        allowed = torch.zeros(len(g.frontier), seq_len, dtype=torch.bool)
-        allowed[:, :ctx] = True
-        for r, c in enumerate(g.frontier):
-            node = c
-            while node >= 0:
-                allowed[r, g.row_key[node]] = True
-                node = g.cands[node].parent
-        return allowed
+        return ancestor_mask(g.frontier, g.cands, g.row_key, g.base - g.kv_start, seq_len)
+
+
+def ancestor_mask(frontier: Sequence[int], cands: Sequence[Candidate], key: dict[int, int], context: int,
+                  seq_len: int) -> torch.Tensor:
+    """[len(frontier), seq_len] bool: what each frontier node's drafter row may attend to: the relative keys
+    [0, context) of the observed context, and the rows (`key`: candidate -> relative key) of the node itself
+    and its ancestors. Example: context 3, a node (key 4) whose parent sits at key 3 -> [1, 1, 1, 1, 1, 0...]."""
+    allowed = torch.zeros(len(frontier), seq_len, dtype=torch.bool)
+    allowed[:, :context] = True
+    for r, c in enumerate(frontier):
+        node = c
+        while node >= 0:
+            allowed[r, key[node]] = True
+            node = cands[node].parent
+    return allowed

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_draft_tree import moved_rows
+from test_draft_tree import fresh_build_mismatches
 from test_spec_draft_model import (
     BASE,
     GREEDY,
@@ -154,24 +154,7 @@ def test_every_node_scores_its_paths_reference_log_probs(dirs, engine, spec, mon
 
 # ------------------------------------------------------------------------- after a tree step
 def fresh_draft_mismatches(engine, monkeypatch) -> tuple[int, int]:
-    """A tree run's builds after its first, each against the first build of a new request whose prompt is
-    that context minus its last token (a draft that never saw any tree) -> (mismatching builds, moved rows)."""
-    moved = moved_rows(monkeypatch)
-    log = record_trees(engine, monkeypatch)
-    engine.generate(encode(engine)[:1], SamplingParams(**GREEDY, max_tokens=24), tree(8, 3, 4))
-    runs = log[1:]
-    bad = 0
-    for context, cands in runs:
-        del log[:]
-        engine.generate([context[:-1]], SamplingParams(**GREEDY, max_tokens=10), tree(8, 3, 4))
-        assert log[0][0] == context                  # the fresh request's first tree: the same context
-        fresh = log[0][1]
-        same = len(fresh) == len(cands) and all(
-            (a.token, a.parent, a.depth) == (b.token, b.parent, b.depth) and abs(a.score - b.score) < 1e-4
-            for a, b in zip(fresh, cands))
-        bad += not same
-    assert len(runs) >= 3
-    return bad, sum(moved)
+    return fresh_build_mismatches(engine, monkeypatch, record_trees, tree(8, 3, 4), 24)
 
 
 def test_after_a_tree_step_drafts_equal_a_fresh_drafts(engine, monkeypatch):

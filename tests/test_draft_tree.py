@@ -78,6 +78,28 @@ def moved_rows(monkeypatch) -> list[int]:
     return moved
 
 
+def fresh_build_mismatches(eng, monkeypatch, record_trees, spec: SpecParams, max_tokens: int) -> tuple[int, int]:
+    """A tree run's builds after its first, each against the first build of a new request whose prompt is
+    that context minus its last token (a drafter that never saw any tree) -> (mismatching builds, moved rows).
+    record_trees(eng, monkeypatch) -> the list it fills with (context, candidates) per build."""
+    moved = moved_rows(monkeypatch)
+    log = record_trees(eng, monkeypatch)
+    eng.generate(encode(eng)[:1], SamplingParams(**GREEDY, max_tokens=max_tokens), spec)
+    runs = log[1:]
+    bad = 0
+    for context, cands in runs:
+        del log[:]
+        eng.generate([context[:-1]], SamplingParams(**GREEDY, max_tokens=10), spec)
+        assert log[0][0] == context                  # the fresh request's first tree: the same context
+        fresh = log[0][1]
+        same = len(fresh) == len(cands) and all(
+            (a.token, a.parent, a.depth) == (b.token, b.parent, b.depth) and abs(a.score - b.score) < 1e-4
+            for a, b in zip(fresh, cands))
+        bad += not same
+    assert len(runs) >= 3
+    return bad, sum(moved)
+
+
 def test_after_a_tree_step_the_target_sees_only_the_accepted_path(embedded, monkeypatch):
     """Greedy with top-5 logprobs: every row the tree run samples from (the next step's logits included)
     equals the plain run's, which never saw the rejected branches. Without the compaction the K/V of a

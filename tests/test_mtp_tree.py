@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from test_draft_tree import moved_rows
+from test_draft_tree import fresh_build_mismatches
 from test_spec_draft_model import (
     BASE,
     GREEDY,
@@ -175,31 +175,13 @@ def test_without_the_layer_mask_or_with_the_wrong_parent_scores_differ(dirs, eng
 
 
 # ------------------------------------------------------------------------- after a tree step
-def fresh_head_mismatches(eng, monkeypatch, name: str) -> tuple[int, int]:
-    """A tree run's builds after its first, each against the first build of a new request whose prompt is
-    that context minus its last token (a head that never saw any tree) -> (mismatching builds, moved rows)."""
-    moved = moved_rows(monkeypatch)
-    log = record_trees(eng, monkeypatch)
-    params = SamplingParams(**GREEDY, max_tokens=16)
-    eng.generate(encode(eng)[:1], params, tree(8, 3, 4))
-    runs = log[1:]
-    bad = 0
-    for context, cands in runs:
-        del log[:]
-        eng.generate([context[:-1]], SamplingParams(**GREEDY, max_tokens=10), tree(8, 3, 4))
-        assert log[0][0] == context                  # the fresh request's first tree: the same context
-        fresh = log[0][1]
-        same = len(fresh) == len(cands) and all(
-            (a.token, a.parent, a.depth) == (b.token, b.parent, b.depth) and abs(a.score - b.score) < 1e-4
-            for a, b in zip(fresh, cands))
-        bad += not same
-    assert len(runs) >= 3
-    return bad, sum(moved)
+def fresh_head_mismatches(eng, monkeypatch) -> tuple[int, int]:
+    return fresh_build_mismatches(eng, monkeypatch, record_trees, tree(8, 3, 4), 16)
 
 
 @pytest.mark.parametrize("name", ["two", "three"])
 def test_after_a_tree_step_drafts_equal_a_fresh_heads(engines, name, monkeypatch):
-    bad, moved = fresh_head_mismatches(engines[name], monkeypatch, name)
+    bad, moved = fresh_head_mismatches(engines[name], monkeypatch)
     assert moved > 0                   # some accepted paths left the first-child line
     assert bad == 0
 
@@ -207,7 +189,7 @@ def test_after_a_tree_step_drafts_equal_a_fresh_heads(engines, name, monkeypatch
 def test_a_head_that_observes_the_trees_rows_unordered_differs(engines, monkeypatch):
     from specserve.server.engine import engine as engine_module
     monkeypatch.setattr(engine_module, "chain_rows", lambda result, src, dst: result)
-    bad, moved = fresh_head_mismatches(engines["two"], monkeypatch, "two")
+    bad, moved = fresh_head_mismatches(engines["two"], monkeypatch)
     assert moved > 0 and bad > 0
 
 
