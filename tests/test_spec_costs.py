@@ -282,6 +282,8 @@ def test_the_ledger_counts_rows_a_drafter_skipped_since_it_last_drafted():
     assert ledger.behind(r, "eagle3", "eagle3") == 0                  # drafted last step: its own observe
     assert ledger.behind(r, "eagle3", "suffix") == 4                  # skipped the 4 tokens since
     assert ledger.behind(r, "draft", "suffix") == 7
+    ledger.forget(r.request_id)                                       # released: a later use starts over
+    assert ledger.behind(r, "eagle3", "suffix") == 7
 
 
 def test_the_dispatcher_books_a_catch_up_per_row_only_for_requests_auto_switched(monkeypatch):

@@ -12,8 +12,6 @@ rows of a step a drafter drafted in are its regular observe, priced as its follo
 """
 from __future__ import annotations
 
-_KEEP = 256             # requests remembered beyond those of the current step
-
 
 class CatchUpLedger:
     def __init__(self) -> None:
@@ -28,7 +26,6 @@ class CatchUpLedger:
     def drafted(self, request, method: str) -> None:
         self.seen.setdefault(request.request_id, {})[method] = request.num_tokens
 
-    def keep_only(self, live: set[str]) -> None:
-        """Forget finished requests once the table outgrows the running ones."""
-        if len(self.seen) > len(live) + _KEEP:
-            self.seen = {r: m for r, m in self.seen.items() if r in live}
+    def forget(self, request_id: str) -> None:
+        """The request left the engine (finished, aborted or preempted for good)."""
+        self.seen.pop(request_id, None)

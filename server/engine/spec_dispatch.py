@@ -142,7 +142,6 @@ class SpecDispatcher:
         """Each seq's method this step: its own, or for `auto` the chosen one ("none": no drafts)."""
         methods = [seq.request.spec_params.method for seq in seqs]
         self._previous, self._chosen = self._chosen, {}
-        self.ledger.keep_only({seq.request.request_id for seq in seqs})
         auto = [i for i, m in enumerate(methods) if m == "auto" and "auto" in self.speculators]
         if not auto:
             return methods
@@ -252,6 +251,7 @@ class SpecDispatcher:
         st.tokens_per_step.append(num_accepted + 1)
 
     def release(self, request: Request) -> None:
+        self.ledger.forget(request.request_id)
         spec = self.speculators.get(request.spec_params.method)
         if spec is not None:
             spec.release(request)

@@ -250,7 +250,9 @@ class GoodputPolicy:
                 continue
             share = sharing.get(method, 1) if isinstance(sharing, dict) else (sharing or 1)
             share = max(share, 1)
-            switch = self.catch_up_s(method, behind(request, method)) if behind is not None else 0.0
+            # only model drafters (a per-depth cost) catch up; a lookup reads the context as it is
+            switch = self.catch_up_s(method, behind(request, method)) \
+                if behind is not None and method in self.draft_step_s else 0.0
             rate = self._best_rate(self.request_alpha(request, method), n, t0, t1,
                                    self.draft_step_s.get(method, 0.0) / share,
                                    self.follow_up_s.get(method, 0.0) / share + switch)
