@@ -251,25 +251,37 @@ def test_a_tree_step_is_priced_per_depth_not_per_verified_node(monkeypatch):
 
 def test_auto_prices_catching_a_request_up_by_the_rows_it_skipped():
     """A drafter auto did not use for a request last step must first read the rows it skipped (stash read,
-    unseen tokens) in one forward, c0 + c1 * rows. Unpriced, auto flits between drafters paying that each
-    time; priced, a request far behind takes the lookup, one a few rows behind or already drafting with the
-    head keeps the head. Before the fit has samples, a catch-up costs one draft forward."""
+    unseen tokens) in one forward, c0 + c1 * rows, paid once for every later step: it is spread over the steps
+    the request has left at the drafter's tokens per step (at most AMORTIZE_MAX_STEPS). So a request far
+    behind with its reply ahead of it takes the head, the same request one token from its end takes the
+    lookup, and a max_tokens far beyond the reply does not make the rows free. Before the fit has samples, a
+    catch-up costs one draft forward."""
     p = fitted_policy()
     p.observe_propose("eagle3", 0.001, 1)
     alphas = {"eagle3": 0.8, "ngram": 0.6}
     p.request_alpha = lambda request, method: alphas[method]
     lengths = {"eagle3": 8, "ngram": 3}
-    r = seq("r", 8).request
+    r = seq("r", 8).request                          # max_tokens 64, nothing generated yet
     assert p.choose_method(r, 8, lengths) == "eagle3"
     assert p.catch_up_s("eagle3", 500) == pytest.approx(0.001) and p.catch_up_s("eagle3", 0) == 0.0
     for i in range(40):
         rows = 1 + (i * 37) % 400
         p.observe_catch_up("eagle3", 0.002 + 0.0002 * rows, rows)    # 2 ms + 0.2 ms per row
     assert p.catch_up_s("eagle3", 100) == pytest.approx(0.022, rel=1e-3)
+    assert p.catch_up_s("eagle3", 100, steps=10) == pytest.approx(0.0022, rel=1e-3)
     rows = {"far": 300, "near": 4, "drafting": 0}
     behind = {name: (lambda request, method, n=n: n if method == "eagle3" else 0) for name, n in rows.items()}
-    assert [p.choose_method(r, 8, lengths, behind=behind[n]) for n in rows] == ["ngram", "eagle3", "eagle3"]
-    assert p.choose_methods([r], [8], [lengths], behind=behind["far"]) == ["ngram"]
+    assert [p.choose_method(r, 8, lengths, behind=behind[n]) for n in rows] == ["eagle3", "eagle3", "eagle3"]
+    assert p.choose_methods([r], [8], [lengths], behind=behind["far"]) == ["eagle3"]
+    ending = seq("ending", 8).request
+    ending.output_token_ids = [5] * 63               # one token left: the 300 rows would serve one step
+    assert [p.choose_method(ending, 8, lengths, behind=behind[n]) for n in rows] == ["ngram", "eagle3", "eagle3"]
+    # 300 rows = 62 ms: spread over 64 tokens (~15 steps at 4.3 tokens a step) they pay, over 32 steps at
+    # most they pay too; a catch-up of 3000 rows (602 ms) spread over 32 steps (19 ms a step) does not,
+    # however large max_tokens is
+    huge = seq("huge", 8, max_tokens=100_000).request
+    assert p.choose_method(huge, 8, lengths, behind=lambda request, method: 3000 * (method == "eagle3")) == "ngram"
+    assert p.choose_method(huge, 8, lengths, behind=behind["far"]) == "eagle3"
 
 
 def test_the_ledger_counts_rows_a_drafter_skipped_since_it_last_drafted():
@@ -312,3 +324,46 @@ def test_a_prefill_step_does_not_count_as_a_step_without_drafts():
     r.num_draft_slots = 0
     p.note_drafting([r])
     assert p.dry[r.request.request_id] == 1
+
+
+def test_the_step_line_leaves_out_the_speculators_own_observes(monkeypatch):
+    """A head's observe after a step is priced per method (its follow-up); the step time the cost line
+    learns must not count it again, or every head's step reads a follow-up dearer than it is."""
+    from types import SimpleNamespace
+
+    from specserve.server.engine import spec_dispatch
+
+    clock = [0.0]
+    monkeypatch.setattr(spec_dispatch.time, "perf_counter", lambda: clock[0])
+
+    class _Observing(Speculator):
+        name = "observing"
+
+        def observe(self, step):
+            clock[0] += 0.004                                         # a 4 ms forward over the verified rows
+
+    policy = GoodputPolicy()
+    dispatcher = spec_dispatch.SpecDispatcher({"observing": _Observing()}, policy=policy)
+    s = seq("o", 0, method="observing")
+    result = SimpleNamespace(batch=SimpleNamespace(token_offsets=[0], query_lens=[1]), hidden=None,
+                             prenorm_hidden=None, aux_hidden=None)
+    dispatcher.observe([s], [3], [0], result)
+    assert dispatcher.observe_s == pytest.approx(0.004)
+    dispatcher.observe_step([s], [[]], 0.030)                         # forward, sampling and that observe
+    assert policy.cost.st == pytest.approx(0.026) and policy.cost.sn == 1
+    dispatcher.observe([s], [4], [0], result)                         # each step's own observes only
+    assert dispatcher.observe_s == pytest.approx(0.004)
+
+
+def test_a_proposes_fixed_part_is_priced_once_not_per_depth():
+    """A propose of depth D costs e0 + e1 * D: fitted once its depths spread, the deep draft is priced at
+    e1 per extra depth, not at the shallow one's average per depth; at one depth only, the EMA per depth."""
+    p = GoodputPolicy()
+    for i in range(40):
+        p.observe_propose("eagle3", 0.001 + 0.0012 * 4, 4)
+    assert p.draft_cost("eagle3") == (0.0, pytest.approx(0.00145, rel=1e-3))
+    for i in range(40):
+        depth = 1 + i % 8
+        p.observe_propose("eagle3", 0.001 + 0.0012 * depth, depth)
+    e0, e1 = p.draft_cost("eagle3")
+    assert e0 == pytest.approx(0.001, rel=0.02) and e1 == pytest.approx(0.0012, rel=0.02)

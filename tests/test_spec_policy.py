@@ -190,9 +190,10 @@ def test_engine_cuts_drafts_when_verifying_costs_more_than_it_gains(tiny_model_d
     eng = OfflineEngine.from_config(EngineConfig(**cfg, speculation_policy="goodput"))
     policy = eng.engine.spec.policy
     assert isinstance(policy, GoodputPolicy)
+    policy.calibrate([(n, 1e-4 + 1.0 * n) for n in range(1, 41)])    # one second per query token
     for i in range(64):
         n = 1 + i % 40
-        policy.observe_step(n, 1e-4 + 1.0 * n)  # one second per query token
+        policy.observe_step(n, 1e-4 + 1.0 * n)
     prompt = eng.engine.tokenizer.encode("x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,")
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ref = fixed.generate([prompt], params, SpecParams("ngram", 4))[0]
@@ -254,3 +255,16 @@ def test_engine_goodput_policy_is_calibrated_before_the_first_request(tiny_model
     assert eng.engine.scheduler.bm.num_free_blocks == eng.engine.scheduler.bm.num_blocks
     with pytest.raises(ValueError, match="KV blocks"):
         eng.engine.runner.time_verify_step(10**6, 1, 128)
+
+
+def test_the_start_up_prior_tilts_the_line_but_the_steps_seen_set_its_level():
+    """Start-up samples time the forward alone; a served step also schedules, samples and builds outputs.
+    A lone request at constant k gives no slope of its own, so the prior's slope stays, but the line passes
+    through the steps really seen: a plain step is not read 2 ms cheaper than it is."""
+    m = StepCostModel()
+    m.set_prior([(n, T0 + T1 * n) for n in (1, 5, 9, 40)])
+    for _ in range(MIN_FIT_STEPS + 10):
+        m.observe(5, T0 + 0.002 + T1 * 5)                 # every real step 2 ms dearer than its forward
+    t0, t1 = m.fit()
+    assert t1 == pytest.approx(T1, rel=0.05)
+    assert t0 + t1 * 5 == pytest.approx(T0 + 0.002 + T1 * 5, rel=1e-6)

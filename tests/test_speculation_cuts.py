@@ -130,6 +130,7 @@ def test_a_full_draft_model_cache_is_in_each_requests_stats(tiny_model_dir):
 def test_goodput_cuts_are_in_the_requests_stats(tiny_model_dir):
     eng = tiny_engine(tiny_model_dir, speculation_policy="goodput")
     policy = eng.engine.spec.policy
+    policy.calibrate([(n, 1e-4 + 1.0 * n) for n in range(1, 41)])
     for i in range(64):                        # a machine where every verified token costs a second
         n = 1 + i % 40
         policy.observe_step(n, 1e-4 + 1.0 * n)

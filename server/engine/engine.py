@@ -120,6 +120,7 @@ class Engine:
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], StepStats]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         stats = StepStats(num_preemptions=len(sched.preempted), spec_refused=dict(sched.spec_reduced))
         stats.finished, self._aborted = self._aborted, []
@@ -134,19 +135,22 @@ class Engine:
             out = self.abort(head.request_id)
             outputs = [out] if out is not None else []
         if sched.seqs:
+            t0 = time.perf_counter()
             drafts, draft_probs = self.spec.propose(sched.seqs, stats)
+            proposing = time.perf_counter() - t0
             trees = self.spec.tree_parents            # per seq: a draft tree's parents, or None (a chain)
             masks = self._start_masks(sched.seqs, drafts, trees)
-            t0 = time.perf_counter()
             batch = self.runner.prepare(sched.seqs, drafts)
             if any(t is not None for t in trees):
                 apply_tree_layout(batch, sched.seqs, trees, self.runner.block_size, self.runner.device)
             result = self.runner.execute(batch)
             outputs = self._sample_and_update(sched.seqs, drafts, draft_probs, result, stats,
                                               masks.result() if masks is not None else {}, trees)
-            # forward + sampling (the sampler's host copy makes this honest on CUDA too)
-            self.spec.observe_step(sched.seqs, drafts, time.perf_counter() - t0)
         self.scheduler.remove_finished()
+        if sched.seqs:
+            # the whole step but the drafting (priced per method): scheduling, forward, sampling, outputs
+            # (the sampler's host copy makes this honest on CUDA too)
+            self.spec.observe_step(sched.seqs, drafts, time.perf_counter() - start - proposing)
         stats.num_running = len(self.scheduler.running)
         stats.num_waiting = len(self.scheduler.waiting)
         stats.kv_cache_usage = self.scheduler.bm.usage

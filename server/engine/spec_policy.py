@@ -7,7 +7,8 @@ compute. The policy keeps a draft position only where it is expected to raise th
 second:
 
     step time        T(N) = t0 + t1 * N          (N = query tokens in the forward; fitted online)
-    draft step       d_m  seconds per draft step of method m (model-based drafters, one forward per depth)
+    draft step       d_m  seconds per draft step of method m (model-based drafters, one forward per depth),
+                          plus e_m once per propose (its inputs and bookkeeping; part of depth 1's price)
     lookup           c_m  seconds per request of a context lookup (suffix, ngram), paid once whatever its length
     follow-up        o_m  seconds of a head's observe of the rows its drafts were verified in: once per step
                           the method drafts in, whatever the depth (part of depth 1's price)
@@ -80,6 +81,15 @@ RECHOOSE_EVERY = 4
 # A draft-cost sample counts for at most this multiple of the estimate (see observe_propose): a prompt
 # catch-up divided by the depth once priced the embedded draft model at 10.7 ms per depth, EAGLE-3 at 2.3.
 MAX_DRAFT_RISE = 2.0
+# A catch-up is paid once for the steps that follow it: once caught up, the drafter stays in step with the
+# request for as long as it keeps drafting, and a request that leaves it pays it again only if it ever
+# comes back, whichever method it takes meanwhile. So `auto` spreads it over the steps the request has left
+# at that method's expected tokens per step, at most this many (a max_tokens far beyond the real answer
+# must not make a long catch-up look free). Charged whole each step, a fresh request's prompt catch-up
+# (~300 rows, 28 ms beside a 10 ms step) kept EAGLE-3 from ever being chosen for a request on which it
+# accepted 74 % of drafts at T = 0.8, and its 2 ms fixed part kept a request that once took a lookup on
+# lookups: auto's T = 0.8 tokens per step were 1.29 against the hybrid's 2.18.
+AMORTIZE_MAX_STEPS = 32
 _DRY_KEEP = 256           # requests the dry-step table keeps beyond those in the current step
 
 
@@ -90,6 +100,7 @@ class GoodputPolicy:
         self.cost = StepCostModel()
         self.calibration: list[tuple[int, float]] = []        # start-up (num_tokens, seconds) samples
         self.draft_step_s: dict[str, float] = {}              # model drafter -> EMA seconds per draft step
+        self.draft_fit: dict[str, StepCostModel] = {}         # model drafter -> propose s = e0 + e1 * depth
         self.lookup_s: dict[str, float] = {}                  # lookup -> EMA seconds per request and step
         self.follow_up_s: dict[str, float] = {}               # model drafter -> EMA seconds of its observe
         self.catch_up: dict[str, StepCostModel] = {}          # model drafter -> catch-up s = c0 + c1 * rows
@@ -113,6 +124,19 @@ class GoodputPolicy:
             old = self.draft_step_s.get(method)
             per = seconds / steps
             _ema(self.draft_step_s, method, per if old is None else min(per, MAX_DRAFT_RISE * old))
+            fit = self.draft_fit.setdefault(method, StepCostModel())
+            line = fit.fit()
+            cap = MAX_DRAFT_RISE * (line[0] + line[1] * steps) if line is not None else seconds
+            fit.observe(steps, min(seconds, cap))
+
+    def draft_cost(self, method: str) -> tuple[float, float]:
+        """(e0, e1): a propose of depth D costs e0 + e1 * D. A propose has a part that does not grow with its
+        depth (gathering the requests' inputs, the drafter's own bookkeeping): priced per depth alone, one
+        EAGLE-3 depth read 2.0 ms where four cost 1.35 ms each, and deep drafts looked dearer than they are.
+        Until the depths seen spread enough to fit the line, (0, the EMA per depth)."""
+        model = self.draft_fit.get(method)
+        line = model.fit() if model is not None else None
+        return line if line is not None else (0.0, self.draft_step_s.get(method, 0.0))
 
     def observe_follow_up(self, method: str, seconds: float) -> None:
         """A head's observe after a step it drafted in: one more forward over the verified rows, paid once
@@ -126,14 +150,16 @@ class GoodputPolicy:
         if rows > 0:
             self.catch_up.setdefault(method, StepCostModel()).observe(rows, seconds)
 
-    def catch_up_s(self, method: str, rows: int) -> float:
-        """The expected price of catching a request up on `rows` rows: the fit once it has enough spread,
-        else one draft forward (what a catch-up of a few rows costs)."""
+    def catch_up_s(self, method: str, rows: int, steps: float = 1.0) -> float:
+        """The price per step of catching a request up on `rows` rows, spread over `steps`: (c0 + c1 * rows)
+        / steps once the fit has enough spread, else one draft forward (what a catch-up of a few rows
+        costs) / steps."""
         if rows <= 0:
             return 0.0
         model = self.catch_up.get(method)
         fit = model.fit() if model is not None else None
-        return fit[0] + fit[1] * rows if fit is not None else self.draft_step_s.get(method, 0.0)
+        whole = fit[0] + fit[1] * rows if fit is not None else self.draft_step_s.get(method, 0.0)
+        return whole / max(steps, 1.0)
 
     def observe_lookup(self, method: str, seconds: float, num_requests: int) -> None:
         """A context lookup's propose call for `num_requests` requests: its cost does not grow with depth."""
@@ -231,8 +257,8 @@ class GoodputPolicy:
         d_m is split among the `sharing` requests (one count, or per method: the group it would join). A
         model drafter that did not draft for the request last step first catches it up on the rows it
         skipped (`behind`; a head reads them from its stash, a draft model runs them): that forward's
-        measured cost (catch_up_s) joins the step's cost, so auto does not flit between drafters paying
-        catch-ups unpriced. A
+        measured cost (catch_up_s) joins the step's cost, spread over the steps the request has left
+        (_steps_left: a catch-up serves every later step; a request near its end does not switch). A
         request that drafted nothing for PROBE_EVERY - 1 steps takes the best candidate even when none
         rates higher. The choice reads the context and past acceptance only, never this step's target,
         and no request's text depends on it: greedy and seeded (coupled) sampling emit the same tokens
@@ -250,12 +276,13 @@ class GoodputPolicy:
                 continue
             share = sharing.get(method, 1) if isinstance(sharing, dict) else (sharing or 1)
             share = max(share, 1)
+            alpha = self.request_alpha(request, method)
             # only model drafters (a per-depth cost) catch up; a lookup reads the context as it is
-            switch = self.catch_up_s(method, behind(request, method)) \
+            switch = self.catch_up_s(method, behind(request, method), _steps_left(request, alpha, n)) \
                 if behind is not None and method in self.draft_step_s else 0.0
-            rate = self._best_rate(self.request_alpha(request, method), n, t0, t1,
-                                   self.draft_step_s.get(method, 0.0) / share,
-                                   self.follow_up_s.get(method, 0.0) / share + switch)
+            fixed, per_depth = self.draft_cost(method)
+            rate = self._best_rate(alpha, n, t0, t1, per_depth / share,
+                                   (fixed + self.follow_up_s.get(method, 0.0)) / share + switch)
             if rate > best_rate:
                 best, best_rate = method, rate
             if rate > probe_rate:
@@ -296,6 +323,7 @@ class GoodputPolicy:
         # lookup's own cost where it has not run yet (`auto` ran its lookups before choosing).
         heap: list = []
         groups: dict[str, list[int]] = {}
+        costs = {m: self.draft_cost(m) for m in set(seq_methods)}     # (e0, e1): e0 + follow-up at depth 1
         for i, m in enumerate(seq_methods):
             if self.draft_step_s.get(m, 0.0) > 0.0:
                 groups.setdefault(m, []).append(i)
@@ -304,7 +332,7 @@ class GoodputPolicy:
                 cost = t1 + (0.0 if looked_up else self.lookup_s.get(m, 0.0))
                 heapq.heappush(heap, (-alphas[i] / cost, len(heap), None, 1, [i], cost))
         for m, members in groups.items():        # depth 1 also pays the head's observe of the verified rows
-            cost = len(members) * t1 + self.draft_step_s[m] + self.follow_up_s.get(m, 0.0)
+            cost = len(members) * t1 + sum(costs[m]) + self.follow_up_s.get(m, 0.0)
             heapq.heappush(heap, (-sum(alphas[i] for i in members) / cost, len(heap), m, 1, members, cost))
         serial = len(heap)
         while heap:
@@ -313,8 +341,8 @@ class GoodputPolicy:
             members = [i for i in members if alphas[i] ** depth * seconds > t1 * gained]
             gain = sum(alphas[i] ** depth for i in members)
             # a group pays for its remaining members; a request's entry (one member) costs what it was priced
-            cost = entry_cost if m is None else \
-                len(members) * t1 + self.draft_step_s[m] + (self.follow_up_s.get(m, 0.0) if depth == 1 else 0.0)
+            cost = entry_cost if m is None else len(members) * t1 + costs[m][1] + \
+                (costs[m][0] + self.follow_up_s.get(m, 0.0) if depth == 1 else 0.0)
             if not members or gain * seconds <= cost * gained:      # gain / cost <= tokens per second so far
                 continue
             for i in members:
@@ -324,7 +352,7 @@ class GoodputPolicy:
             deeper = [i for i in members if depth < adaptive[i].num_draft_slots]
             if deeper:
                 nxt = sum(alphas[i] ** (depth + 1) for i in deeper)
-                nxt_cost = len(deeper) * t1 + (self.draft_step_s[m] if m is not None else 0.0)   # no lookup cost
+                nxt_cost = len(deeper) * t1 + (costs[m][1] if m is not None else 0.0)   # no lookup cost
                 serial += 1
                 heapq.heappush(heap, (-nxt / nxt_cost, serial, m, depth + 1, deeper, nxt_cost))
         return self._apply(adaptive, keep)
@@ -364,6 +392,14 @@ def calibrated_policy(runner, max_num_seqs: int) -> GoodputPolicy:
         log.info("goodput policy calibrated on %d step sizes: step = %.2f ms + %.3f ms per verified token",
                  len(samples), fit[0] * 1e3, fit[1] * 1e3)
     return policy
+
+
+def _steps_left(request, alpha: float, n: int) -> float:
+    """The steps `request` has left if it drafts n positions a step at acceptance alpha: its remaining
+    max_tokens over the expected tokens per step (1 + alpha + ... + alpha ** n), in 1..AMORTIZE_MAX_STEPS."""
+    left = request.sampling_params.max_tokens - request.num_output_tokens
+    per_step = (1.0 - alpha ** (n + 1)) / (1.0 - alpha)
+    return min(max(left / per_step, 1.0), float(AMORTIZE_MAX_STEPS))
 
 
 def _ema(table: dict[str, float], key: str, value: float) -> None:
