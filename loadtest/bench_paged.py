@@ -1,13 +1,14 @@
 """Decode step time: the in-place paged attention kernel vs the SDPA gather path, side by side.
 
-Same random ~30M Llama (loadtest/bench_decode.CONFIG_30M, fp32 weights), prompts of --prompt-len random
+Same random ~30M Llama (loadtest/bench_decode.CONFIG_30M, --dtype weights, fp32 by default; bf16 where the CPU
+has it, with --compile as served), prompts of --prompt-len random
 tokens, greedy plain decoding at batch 1, 8 and 16. Step time = (time for n2 new tokens - time for n1) /
 (n2 - n1), each engine's prompts cached first (one warm call), so both runs prefill only the prompt's
 last block and the difference is decode steps; the median over rounds counts. Engines: sdpa + fp32 KV, paged + fp32 KV,
 paged + bf16 KV; rounds are interleaved. Roofline = (weight bytes + KV bytes read per
 step) / copy bandwidth (a 256 MiB torch copy, read + write counted).
 
-Run: python -m loadtest.bench_paged  (about 3-5 minutes on 2 cores)
+Run: python -m loadtest.bench_paged [--dtype bfloat16 --compile]  (about 3-5 minutes on 2 cores)
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--n1", type=int, default=4)
     ap.add_argument("--n2", type=int, default=36)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the target, as `serve --compile`")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from specserve.server.engine.tokenizer import Tokenizer
@@ -74,11 +77,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         engines = {}
         for backend, kv in ENGINES:
             attention.configure_backend(backend)
-            engines[(backend, kv)] = LLM(config=EngineConfig(model=path, dtype="float32", device="cpu",
+            engines[(backend, kv)] = LLM(config=EngineConfig(model=path, dtype=args.dtype, device="cpu",
                                                              kv_cache_memory_gb=0.5, kv_cache_dtype=kv,
-                                                             enable_prefix_caching=True, attention_backend=backend))
+                                                             enable_prefix_caching=True, attention_backend=backend,
+                                                             compile=args.compile))
+        weight_bytes = nparams * getattr(torch, args.dtype).itemsize
         print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, copy bandwidth {bw / 1e9:.1f} GB/s, "
-              f"model {nparams / 1e6:.1f}M fp32, prompt {args.prompt_len}, steps {args.n1}..{args.n2}")
+              f"model {nparams / 1e6:.1f}M {args.dtype}{' compiled' if args.compile else ''}, "
+              f"prompt {args.prompt_len}, steps {args.n1}..{args.n2}")
         print(f"KV tokens in 1 GiB: fp32 {(1 << 30) // (kv_cache_bytes_per_block(mcfg, 1, torch.float32))}, "
               f"bf16 {(1 << 30) // (kv_cache_bytes_per_block(mcfg, 1, torch.bfloat16))}")
         samples: dict = {}
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for b in args.batches:
             for key in engines:
                 kv_bytes = b * ctx * kv_cache_bytes_per_block(mcfg, 1, getattr(torch, key[1]))
-                roof = (nparams * 4 + kv_bytes) / bw
+                roof = (weight_bytes + kv_bytes) / bw
                 s = best[(key, b)]
                 row = dict(batch=b, backend=key[0], kv=key[1], step_ms=s * 1e3,
                            vs_sdpa=best[(ENGINES[0], b)] / s, roofline_ms=roof * 1e3, ratio=s / roof)

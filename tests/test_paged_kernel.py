@@ -10,10 +10,12 @@ from specserve.server.models.attention import build_attention_metadata, paged_at
 
 BLOCK = 16
 HEADS, KV_HEADS, D = 8, 2, 32
+# the kernel has code of its own for head dims 64 and 128 (fixed trip counts) and one for any other
+HEAD_DIMS = (D, 64, 128)
 
 
-def random_cache(num_blocks: int, dtype: torch.dtype, gen: torch.Generator, kv_heads: int = KV_HEADS):
-    shape = (num_blocks, BLOCK, kv_heads, D)
+def random_cache(num_blocks: int, dtype: torch.dtype, gen: torch.Generator, kv_heads: int = KV_HEADS, d: int = D):
+    shape = (num_blocks, BLOCK, kv_heads, d)
     return (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
 
 
@@ -34,19 +36,20 @@ def run(backend: str, q_lens, seq_lens, tables, cache, q, window=None):
     """One attention call reading `cache` (this step's K/V already in it: k/v are re-written unchanged)."""
     attn = build_attention_metadata(q_lens, seq_lens, tables, BLOCK, "cpu", backend=backend)
     k_cache, v_cache = cache
-    kv = k_cache.shape[2]
-    k = k_cache.view(-1, kv, D)[attn.slot_mapping].clone()
-    v = v_cache.view(-1, kv, D)[attn.slot_mapping].clone()
+    kv, d = k_cache.shape[2], k_cache.shape[3]
+    k = k_cache.view(-1, kv, d)[attn.slot_mapping].clone()
+    v = v_cache.view(-1, kv, d)[attn.slot_mapping].clone()
     if backend == "sdpa":      # the reference attends in fp32 over an fp32 copy of the same stored values
         cache, k, v = (k_cache.float(), v_cache.float()), k.float(), v.float()
-    return paged_attention(q, k, v, cache, attn, D**-0.5, window)
+    return paged_attention(q, k, v, cache, attn, d**-0.5, window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("kv_heads", [KV_HEADS, 1, HEADS])
-def test_random_ragged_batches_match_sdpa(dtype, window, kv_heads):
-    gen = torch.Generator().manual_seed(hash((str(dtype), window, kv_heads)) % 1000)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_random_ragged_batches_match_sdpa(dtype, window, kv_heads, d):
+    gen = torch.Generator().manual_seed(hash((str(dtype), window, kv_heads, d)) % 1000)
     for trial in range(3):
         n = int(torch.randint(1, 9, (1,), generator=gen))
         seq_lens = torch.randint(1, 2049, (n,), generator=gen).tolist()
@@ -56,8 +59,8 @@ def test_random_ragged_batches_match_sdpa(dtype, window, kv_heads):
             q_lens[0] = min(seq_lens[0], 40)
         num_blocks = sum(-(-s // BLOCK) for s in seq_lens) + 8
         tables = tables_for(seq_lens, num_blocks, gen, shared_prefix_blocks=2 if trial else 0)
-        cache = random_cache(num_blocks, dtype, gen, kv_heads)
-        q = torch.randn(sum(q_lens), HEADS, D, generator=gen)
+        cache = random_cache(num_blocks, dtype, gen, kv_heads, d)
+        q = torch.randn(sum(q_lens), HEADS, d, generator=gen)
         got = run("paged", q_lens, seq_lens, tables, cache, q, window)
         ref = run("sdpa", q_lens, seq_lens, tables, cache, q, window)
         err = (got - ref).abs().max().item()
@@ -66,15 +69,16 @@ def test_random_ragged_batches_match_sdpa(dtype, window, kv_heads):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 50])
-def test_row_is_bit_identical_alone_in_a_batch_of_8_and_with_drafts(dtype, window):
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_row_is_bit_identical_alone_in_a_batch_of_8_and_with_drafts(dtype, window, d):
     """Sequence 0's token at position 300: decoded alone, decoded in a batch of 8 other lengths, verified
     first of 5 (4 drafts after it), and verified in a batch of 8 verifying sequences: the same bits."""
     gen = torch.Generator().manual_seed(3)
     lens = [305, 7, 1500, 64, 1, 930, 33, 16]            # room for 4 drafts after position 300 in sequence 0
     num_blocks = sum(-(-s // BLOCK) for s in lens) + 8
     tables = tables_for(lens, num_blocks, gen)
-    cache = random_cache(num_blocks, dtype, gen)
-    q = torch.randn(8 * 5, HEADS, D, generator=gen)     # [8 sequences x 5 queries, heads, d]
+    cache = random_cache(num_blocks, dtype, gen, d=d)
+    q = torch.randn(8 * 5, HEADS, d, generator=gen)     # [8 sequences x 5 queries, heads, d]
     decode_lens = [301] + lens[1:]
     alone = run("paged", [1], [301], tables[:1], cache, q[:1], window)
     batch = run("paged", [1] * 8, decode_lens, tables, cache, torch.cat([q[:1], q[5::5]]), window)

@@ -102,7 +102,9 @@ struct Args {
 };
 
 struct Scratch {
-    std::vector<float> scores, acc, krow;
+    std::vector<float> scores, acc, krow, inv_sum;
+    std::vector<const float*> qrows;
+    std::vector<int64_t> pos, lo;
 };
 
 inline int64_t slot_index(const Args& a, int64_t seq, int64_t pos, int64_t kvh) {
@@ -110,10 +112,14 @@ inline int64_t slot_index(const Args& a, int64_t seq, int64_t pos, int64_t kvh) 
     return ((block * a.block_size + pos % a.block_size) * a.num_kv_heads + kvh) * a.D;
 }
 
-// Rows j0..j1 of sequence `seq`, query heads of kv head `kvh`; DT: 0 fp32, 1 bf16, 2 fp16 storage.
-template <int DT>
+// Rows j0..j1 of sequence `seq`, query heads of kv head `kvh`; DT: 0 fp32, 1 bf16, 2 fp16 storage; HD: the
+// head dimension when known at compile time (64, 128: loops of a fixed trip count, registers instead of
+// memory for a row's partial sums), 0 for any other. The arithmetic is the same either way.
+// Each row's query pointer, position and first visible key are worked out once per item: computed in the
+// key loops (three integer divisions per key and row) they took most of a decode step's attention time.
+template <int DT, int HD>
 void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, Scratch& s) {
-    const int64_t D = a.D, rep = a.num_heads / a.num_kv_heads;
+    const int64_t D = HD > 0 ? HD : a.D, rep = a.num_heads / a.num_kv_heads;
     const int64_t seq_len = a.seq_lens[seq], q_start = a.qsl[seq];
     const int64_t ctx0 = seq_len - (a.qsl[seq + 1] - q_start);   // position of query 0
     const int64_t lo_min = a.window > 0 ? std::max<int64_t>(0, ctx0 + j0 - a.window + 1) : 0;
@@ -122,24 +128,28 @@ void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, S
     s.scores.resize(rows * span);
     s.acc.assign(rows * D, 0.f);
     s.krow.resize(D);
-    auto qrow = [&](int64_t r) {       // row r = (query j0 + r / rep, head kvh * rep + r % rep)
-        return a.q + ((q_start + j0 + r / rep) * a.num_heads + kvh * rep + r % rep) * D;
-    };
-    auto row_lo = [&](int64_t r) {
-        int64_t pos = ctx0 + j0 + r / rep;
-        return a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
-    };
+    s.inv_sum.resize(rows);
+    s.qrows.resize(rows);
+    s.pos.resize(rows);
+    s.lo.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) {     // row r = (query j0 + r / rep, head kvh * rep + r % rep)
+        s.qrows[r] = a.q + ((q_start + j0 + r / rep) * a.num_heads + kvh * rep + r % rep) * D;
+        s.pos[r] = ctx0 + j0 + r / rep;
+        s.lo[r] = a.window > 0 ? std::max<int64_t>(0, s.pos[r] - a.window + 1) : 0;
+    }
+    const float* const* qrows = s.qrows.data();
+    const int64_t* pos = s.pos.data();
+    const int64_t* row_lo = s.lo.data();
     for (int64_t n = lo_min; n <= hi_max; ++n) {               // scores, one cached key at a time
         const float* key = load_row<DT>(a.k_cache, slot_index(a, seq, n, kvh), D, s.krow.data());
         for (int64_t r = 0; r < rows; ++r) {
-            int64_t pos = ctx0 + j0 + r / rep;
-            if (n > pos || n < row_lo(r)) continue;
-            s.scores[r * span + (n - lo_min)] = dot(qrow(r), key, D) * a.scale;
+            if (n > pos[r] || n < row_lo[r]) continue;
+            s.scores[r * span + (n - lo_min)] = dot(qrows[r], key, D) * a.scale;
         }
     }
-    std::vector<float> inv_sum(rows);
+    float* inv_sum = s.inv_sum.data();
     for (int64_t r = 0; r < rows; ++r) {                         // softmax numerators, in position order
-        int64_t lo = row_lo(r) - lo_min, hi = ctx0 + j0 + r / rep - lo_min;
+        int64_t lo = row_lo[r] - lo_min, hi = pos[r] - lo_min;
         float* sc = s.scores.data() + r * span;
         float m = sc[lo];
         for (int64_t n = lo + 1; n <= hi; ++n) m = std::max(m, sc[n]);
@@ -152,8 +162,7 @@ void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, S
     for (int64_t n = lo_min; n <= hi_max; ++n) {               // weighted values, in position order
         const float* val = load_row<DT>(a.v_cache, slot_index(a, seq, n, kvh), D, s.krow.data());
         for (int64_t r = 0; r < rows; ++r) {
-            int64_t pos = ctx0 + j0 + r / rep;
-            if (n > pos || n < row_lo(r)) continue;
+            if (n > pos[r] || n < row_lo[r]) continue;
             float p = s.scores[r * span + (n - lo_min)];
             float* acc = s.acc.data() + r * D;
             for (int64_t d = 0; d < D; ++d) acc[d] += p * val[d];
@@ -164,6 +173,13 @@ void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, S
         const float* acc = s.acc.data() + r * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = acc[d] * inv_sum[r];
     }
+}
+
+template <int DT>
+void run_dim(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, Scratch& s) {
+    if (a.D == 64) run_item<DT, 64>(a, seq, kvh, j0, j1, s);
+    else if (a.D == 128) run_item<DT, 128>(a, seq, kvh, j0, j1, s);
+    else run_item<DT, 0>(a, seq, kvh, j0, j1, s);
 }
 
 }  // namespace
@@ -190,9 +206,9 @@ extern "C" int specserve_paged_attention(
             int64_t item = w / num_kv_heads, kvh = w % num_kv_heads;
             int64_t seq = items[2 * item], j0 = items[2 * item + 1];
             int64_t j1 = std::min<int64_t>(j0 + TILE, qsl[seq + 1] - qsl[seq]);
-            if (a.dtype == 0) run_item<0>(a, seq, kvh, j0, j1, scratch);
-            else if (a.dtype == 1) run_item<1>(a, seq, kvh, j0, j1, scratch);
-            else run_item<2>(a, seq, kvh, j0, j1, scratch);
+            if (a.dtype == 0) run_dim<0>(a, seq, kvh, j0, j1, scratch);
+            else if (a.dtype == 1) run_dim<1>(a, seq, kvh, j0, j1, scratch);
+            else run_dim<2>(a, seq, kvh, j0, j1, scratch);
         }
     }
     return 0;
