@@ -359,7 +359,7 @@ def test_a_proposes_fixed_part_is_priced_once_not_per_depth():
     """A propose of depth D costs e0 + e1 * D: fitted once its depths spread, the deep draft is priced at
     e1 per extra depth, not at the shallow one's average per depth; at one depth only, the EMA per depth."""
     p = GoodputPolicy()
-    for i in range(40):
+    for _ in range(40):
         p.observe_propose("eagle3", 0.001 + 0.0012 * 4, 4)
     assert p.draft_cost("eagle3") == (0.0, pytest.approx(0.00145, rel=1e-3))
     for i in range(40):

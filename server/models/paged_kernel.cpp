@@ -17,7 +17,7 @@
 namespace {
 
 constexpr int TILE = 16;     // query rows of one sequence per work item
-constexpr int LANES = 16;    // partial sums of a dot product (two AVX2 registers)
+constexpr int LANES = 16;    // partial sums of a dot product (two AVX2 registers; dot() reduces exactly 16)
 
 inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -67,17 +67,20 @@ inline float dot(const float* a, const float* b, int D) {
         for (int l = 0; l < LANES; ++l) acc[l] += a[d + l] * b[d + l];
     }
     for (int l = 0; d < D; ++d, ++l) acc[l] += a[d] * b[d];
-    for (int w = LANES / 2; w > 0; w /= 2) {                 // fixed pairwise tree
-        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-    }
-    return acc[0];
+    // fixed pairwise tree, one level at a time with constant bounds so the compiler unrolls it (a loop over
+    // the level width kept the lanes in memory: a fifth of the kernel's time)
+    for (int l = 0; l < 8; ++l) acc[l] += acc[l + 8];
+    for (int l = 0; l < 4; ++l) acc[l] += acc[l + 4];
+    for (int l = 0; l < 2; ++l) acc[l] += acc[l + 2];
+    return acc[0] + acc[1];
 }
 
 // exp(x) for x <= 0 (scores minus their row max), vectorisable: Cody-Waite range reduction by ln 2
-// and a degree-6 polynomial (~1 ulp), scaled by 2^k through the exponent bits.
-inline void exp_nonpositive(float* x, int n) {
+// and a degree-6 polynomial (~1 ulp), scaled by 2^k through the exponent bits. Not inlined: inlined into
+// run_item, g++ 12 left it scalar ("control flow in loop"); on its own it vectorises.
+__attribute__((noinline)) void exp_nonpositive(float* x, int n) {
     for (int i = 0; i < n; ++i) {
-        float v = std::max(x[i], -87.0f);
+        float v = x[i] < -87.0f ? -87.0f : x[i];                  // a select, not std::max's branch: vectorises
         float k = (v * 1.44269504f + 12582912.0f) - 12582912.0f;   // round to nearest integer
         float r = v - k * 0.693359375f;
         r = r + k * 2.12194440e-4f;
@@ -89,9 +92,7 @@ inline void exp_nonpositive(float* x, int n) {
         p = p * r + 5.0000001201e-1f;
         p = p * (r * r) + r + 1.0f;
         int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-        float scale;
-        std::memcpy(&scale, &bits, 4);
-        x[i] = p * scale;
+        x[i] = p * __builtin_bit_cast(float, bits);              // memcpy here kept the loop scalar
     }
 }
 
@@ -104,19 +105,15 @@ struct Args {
 struct Scratch {
     std::vector<float> scores, acc, krow, inv_sum;
     std::vector<const float*> qrows;
-    std::vector<int64_t> pos, lo;
+    std::vector<int64_t> pos, lo, slots;
 };
-
-inline int64_t slot_index(const Args& a, int64_t seq, int64_t pos, int64_t kvh) {
-    int64_t block = a.block_tables[seq * a.max_blocks + pos / a.block_size];
-    return ((block * a.block_size + pos % a.block_size) * a.num_kv_heads + kvh) * a.D;
-}
 
 // Rows j0..j1 of sequence `seq`, query heads of kv head `kvh`; DT: 0 fp32, 1 bf16, 2 fp16 storage; HD: the
 // head dimension when known at compile time (64, 128: loops of a fixed trip count, registers instead of
 // memory for a row's partial sums), 0 for any other. The arithmetic is the same either way.
-// Each row's query pointer, position and first visible key are worked out once per item: computed in the
-// key loops (three integer divisions per key and row) they took most of a decode step's attention time.
+// Each row's query pointer, position and first visible key, and each key's offset in the cache, are worked out
+// once per item: computed in the key loops (integer divisions per key and row, and per key twice) they took
+// most of a decode step's attention time.
 template <int DT, int HD>
 void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, Scratch& s) {
     const int64_t D = HD > 0 ? HD : a.D, rep = a.num_heads / a.num_kv_heads;
@@ -137,11 +134,19 @@ void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, S
         s.pos[r] = ctx0 + j0 + r / rep;
         s.lo[r] = a.window > 0 ? std::max<int64_t>(0, s.pos[r] - a.window + 1) : 0;
     }
+    s.slots.resize(span);
+    for (int64_t n = lo_min; n <= hi_max;) {                   // block by block: no division per key
+        const int64_t block = a.block_tables[seq * a.max_blocks + n / a.block_size];
+        for (int64_t off = n % a.block_size; off < a.block_size && n <= hi_max; ++off, ++n) {
+            s.slots[n - lo_min] = ((block * a.block_size + off) * a.num_kv_heads + kvh) * D;
+        }
+    }
+    const int64_t* slots = s.slots.data() - lo_min;            // slots[n]: key n's offset
     const float* const* qrows = s.qrows.data();
     const int64_t* pos = s.pos.data();
     const int64_t* row_lo = s.lo.data();
     for (int64_t n = lo_min; n <= hi_max; ++n) {               // scores, one cached key at a time
-        const float* key = load_row<DT>(a.k_cache, slot_index(a, seq, n, kvh), D, s.krow.data());
+        const float* key = load_row<DT>(a.k_cache, slots[n], D, s.krow.data());
         for (int64_t r = 0; r < rows; ++r) {
             if (n > pos[r] || n < row_lo[r]) continue;
             s.scores[r * span + (n - lo_min)] = dot(qrows[r], key, D) * a.scale;
@@ -160,7 +165,7 @@ void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, S
         inv_sum[r] = 1.0f / sum;
     }
     for (int64_t n = lo_min; n <= hi_max; ++n) {               // weighted values, in position order
-        const float* val = load_row<DT>(a.v_cache, slot_index(a, seq, n, kvh), D, s.krow.data());
+        const float* val = load_row<DT>(a.v_cache, slots[n], D, s.krow.data());
         for (int64_t r = 0; r < rows; ++r) {
             if (n > pos[r] || n < row_lo[r]) continue;
             float p = s.scores[r * span + (n - lo_min)];
