@@ -66,7 +66,7 @@ inline float dot(const float* a, const float* b, int D) {
     for (; d + LANES <= D; d += LANES) {
         for (int l = 0; l < LANES; ++l) acc[l] += a[d + l] * b[d + l];
     }
-    for (int l = 0; d < D; ++d, ++l) acc[l] += a[d] * b[d];
+    for (int l = 0; d < D && l < LANES; ++d, ++l) acc[l] += a[d] * b[d];   // the last D % LANES
     // fixed pairwise tree, one level at a time with constant bounds so the compiler unrolls it (a loop over
     // the level width kept the lanes in memory: a fifth of the kernel's time)
     for (int l = 0; l < 8; ++l) acc[l] += acc[l + 8];
