@@ -13,6 +13,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -74,6 +77,45 @@ inline float dot(const float* a, const float* b, int D) {
     for (int l = 0; l < 2; ++l) acc[l] += acc[l + 2];
     return acc[0] + acc[1];
 }
+
+#if defined(__AVX512F__)
+// dot(q, keys[j], HD) for 16 keys at once, bit for bit: each key's 16 lane sums are the same multiply-adds
+// over the same chunks, and the pairwise tree (lanes l + 8, then + 4, + 2, + 1) is done for all 16 keys
+// together by shuffles that pair two keys' halves per add, the same additions the scalar tree makes (the
+// horizontal sum per key and row was most of the kernel's time). Lane bookkeeping: after the last step,
+// element 4 L + e holds key 4 e + L.
+template <int HD>
+inline void dot16(const float* q, const float* const* keys, float* sums) {
+    static_assert(HD % LANES == 0, "whole 16-lane chunks");
+    __m512 v[16];
+    for (int j = 0; j < 16; ++j) {
+        __m512 acc = _mm512_fmadd_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(keys[j]), _mm512_setzero_ps());
+        for (int c = LANES; c < HD; c += LANES) {
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(keys[j] + c), acc);
+        }
+        v[j] = acc;
+    }
+    __m512 t[8], w[4], x[2];
+    for (int i = 0; i < 8; ++i) {       // l + 8: [a 0-7 | b 0-7] + [a 8-15 | b 8-15]
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    }
+    for (int m = 0; m < 4; ++m) {       // l + 4, within each key's 8 lanes
+        w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * m], t[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * m], t[2 * m + 1], 0xDD));
+    }
+    for (int n = 0; n < 2; ++n) {       // l + 2, within each key's 4 lanes
+        x[n] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * n], w[2 * n + 1], 0x44),
+                             _mm512_shuffle_ps(w[2 * n], w[2 * n + 1], 0xEE));
+    }
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+    alignas(64) float out[16];
+    _mm512_store_ps(out, f);
+    for (int lane = 0; lane < 4; ++lane) {
+        for (int e = 0; e < 4; ++e) sums[4 * e + lane] = out[4 * lane + e];
+    }
+}
+#endif
 
 // exp(x) for x <= 0 (scores minus their row max), vectorisable: Cody-Waite range reduction by ln 2
 // and a degree-6 polynomial (~1 ulp), scaled by 2^k through the exponent bits. Not inlined: inlined into
@@ -145,6 +187,26 @@ void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, S
     const float* const* qrows = s.qrows.data();
     const int64_t* pos = s.pos.data();
     const int64_t* row_lo = s.lo.data();
+#if defined(__AVX512F__)
+    if constexpr (HD > 0) {                                     // scores, 16 cached keys at a time
+        s.krow.resize(16 * D);
+        const float* keys[16];
+        alignas(64) float sums[16];
+        for (int64_t n0 = lo_min; n0 <= hi_max; n0 += 16) {
+            const int64_t nk = std::min<int64_t>(16, hi_max - n0 + 1);
+            for (int64_t j = 0; j < nk; ++j) keys[j] = load_row<DT>(a.k_cache, slots[n0 + j], D, s.krow.data() + j * D);
+            for (int64_t j = nk; j < 16; ++j) keys[j] = keys[0];     // padding: computed, never stored
+            for (int64_t r = 0; r < rows; ++r) {
+                if (n0 > pos[r] || n0 + nk - 1 < row_lo[r]) continue;
+                dot16<HD>(qrows[r], keys, sums);
+                float* out = s.scores.data() + r * span + (n0 - lo_min);
+                for (int64_t j = 0; j < nk; ++j) {
+                    if (n0 + j <= pos[r] && n0 + j >= row_lo[r]) out[j] = sums[j] * a.scale;
+                }
+            }
+        }
+    } else
+#endif
     for (int64_t n = lo_min; n <= hi_max; ++n) {               // scores, one cached key at a time
         const float* key = load_row<DT>(a.k_cache, slots[n], D, s.krow.data());
         for (int64_t r = 0; r < rows; ++r) {
