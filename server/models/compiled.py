@@ -56,12 +56,23 @@ def register(module: torch.nn.Module) -> int:
     return handle
 
 
-@torch.library.custom_op("specserve::packed_linear", mutates_args=())
-def packed_linear_op(x: torch.Tensor, handle: int) -> torch.Tensor:
+# The two ops are defined with torch.library.Library rather than the @custom_op decorator: a decorated op's
+# call passes through Python autograd and aliasing layers, ~10.5 us a call against ~3.6 us here (measured
+# on a 2-core EPYC, inference mode), and a decode step makes 40 of them (32 linears, 8 attentions).
+_LIB = torch.library.Library("specserve", "DEF")
+_LIB.define("packed_linear(Tensor x, int handle) -> Tensor")
+_LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, int handle) -> Tensor")
+
+
+def _packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     return _MODULES[handle].run_packed(x)
 
 
-@packed_linear_op.register_fake
+_LIB.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+packed_linear_op = torch.ops.specserve.packed_linear.default
+
+
+@torch.library.register_fake("specserve::packed_linear")
 def _packed_linear_shape(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], _MODULES[handle].out_features))
 
@@ -75,14 +86,17 @@ def forward_context(attn: AttentionMetadata, kv_caches: list) -> Iterator[None]:
         _context.attn = _context.kv_caches = None
 
 
-@torch.library.custom_op("specserve::paged_attention", mutates_args=())
-def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int) -> torch.Tensor:
+def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int) -> torch.Tensor:
     layer = _MODULES[handle]
     out = paged_attention(q, k, v, _context.kv_caches[layer.layer_idx], _context.attn, layer.scale, layer.window)
     return out.contiguous()          # the graph was traced with a contiguous result (the fake below)
 
 
-@paged_attention_op.register_fake
+_LIB.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
+paged_attention_op = torch.ops.specserve.paged_attention.default
+
+
+@torch.library.register_fake("specserve::paged_attention")
 def _paged_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int) -> torch.Tensor:
     return torch.empty_like(q)
 
