@@ -226,6 +226,31 @@ void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, S
         for (int64_t n = lo; n <= hi; ++n) sum += sc[n];
         inv_sum[r] = 1.0f / sum;
     }
+#if defined(__AVX512F__)
+    if constexpr (HD > 0) {          // weighted values, in position order, 4 rows' sums held in registers
+        constexpr int C = HD / 16;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            __m512 acc[4][C];
+            for (int rr = 0; rr < 4; ++rr) {
+                for (int c = 0; c < C; ++c) acc[rr][c] = _mm512_setzero_ps();
+            }
+            for (int64_t n = lo_min; n <= hi_max; ++n) {
+                const float* val = load_row<DT>(a.v_cache, slots[n], D, s.krow.data());
+                __m512 v[C];
+                for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(val + 16 * c);
+                for (int rr = 0; rr < 4; ++rr) {
+                    const int64_t r = r0 + rr;
+                    if (r >= rows || n > pos[r] || n < row_lo[r]) continue;
+                    const __m512 p = _mm512_set1_ps(s.scores[r * span + (n - lo_min)]);
+                    for (int c = 0; c < C; ++c) acc[rr][c] = _mm512_fmadd_ps(p, v[c], acc[rr][c]);
+                }
+            }
+            for (int rr = 0; rr < 4 && r0 + rr < rows; ++rr) {
+                for (int c = 0; c < C; ++c) _mm512_storeu_ps(s.acc.data() + (r0 + rr) * D + 16 * c, acc[rr][c]);
+            }
+        }
+    } else
+#endif
     for (int64_t n = lo_min; n <= hi_max; ++n) {               // weighted values, in position order
         const float* val = load_row<DT>(a.v_cache, slots[n], D, s.krow.data());
         for (int64_t r = 0; r < rows; ++r) {
