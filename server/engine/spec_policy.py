@@ -51,6 +51,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from specserve.server.engine.acceptance import AcceptanceHistory, band_of
+from specserve.server.engine.draft_costs import DraftCosts, steps_left
 from specserve.server.engine.scheduler import ScheduledSeq
 from specserve.server.engine.step_cost import MIN_FIT_STEPS, MIN_T1_RATIO, StepCostModel
 
@@ -78,35 +79,19 @@ PROBE_EVERY = 8
 # or the context, and a request that does not draft gains no evidence of its own.
 REST_SHARE = 0.10
 RECHOOSE_EVERY = 4
-# A draft-cost sample counts for at most this multiple of the estimate (see observe_propose): a prompt
-# catch-up divided by the depth once priced the embedded draft model at 10.7 ms per depth, EAGLE-3 at 2.3.
-MAX_DRAFT_RISE = 2.0
-# A catch-up is paid once for the steps that follow it: once caught up, the drafter stays in step with the
-# request for as long as it keeps drafting, and a request that leaves it pays it again only if it ever
-# comes back, whichever method it takes meanwhile. So `auto` spreads it over the steps the request has left
-# at that method's expected tokens per step, at most this many (a max_tokens far beyond the real answer
-# must not make a long catch-up look free). Charged whole each step, a fresh request's prompt catch-up
-# (~300 rows, 28 ms beside a 10 ms step) kept EAGLE-3 from ever being chosen for a request on which it
-# accepted 74 % of drafts at T = 0.8, and its 2 ms fixed part kept a request that once took a lookup on
-# lookups: auto's T = 0.8 tokens per step were 1.29 against the hybrid's 2.18.
-AMORTIZE_MAX_STEPS = 32
 _DRY_KEEP = 256           # requests the dry-step table keeps beyond those in the current step
 
 
-class GoodputPolicy:
+class GoodputPolicy(DraftCosts):
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
         self.clock = clock
         self.history = AcceptanceHistory(clock)
         self.cost = StepCostModel()
         self.calibration: list[tuple[int, float]] = []        # start-up (num_tokens, seconds) samples
-        self.draft_step_s: dict[str, float] = {}              # model drafter -> EMA seconds per draft step
-        self.draft_fit: dict[str, StepCostModel] = {}         # model drafter -> propose s = e0 + e1 * depth
-        self.lookup_s: dict[str, float] = {}                  # lookup -> EMA seconds per request and step
-        self.follow_up_s: dict[str, float] = {}               # model drafter -> EMA seconds of its observe
-        self.catch_up: dict[str, StepCostModel] = {}          # model drafter -> catch-up s = c0 + c1 * rows
         self.dry: dict[str, int] = {}                         # request id -> steps in a row without drafts
 
-    # -- learning ------------------------------------------------------------------------------------
+    # -- learning (the drafters' costs: DraftCosts) -----------------------------------------------------
     def calibrate(self, samples: list[tuple[int, float]]) -> None:
         """Start-up step timings (num_tokens, seconds) of different sizes: the fit is usable at once."""
         self.calibration = list(samples)
@@ -115,56 +100,6 @@ class GoodputPolicy:
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A pure decode/verify step (no prefill rows): N query tokens took `seconds` (forward + sampling)."""
         self.cost.observe(num_tokens, seconds)
-
-    def observe_propose(self, method: str, seconds: float, steps: int) -> None:
-        """A model drafter's propose call: `steps` draft forwards (its depth) took `seconds`. A call whose
-        first forward caught up on many rows (a draft model reading a whole prompt, a head back from rest)
-        is no draft step's price: each sample moves the estimate by at most MAX_DRAFT_RISE x."""
-        if steps > 0:
-            old = self.draft_step_s.get(method)
-            per = seconds / steps
-            _ema(self.draft_step_s, method, per if old is None else min(per, MAX_DRAFT_RISE * old))
-            fit = self.draft_fit.setdefault(method, StepCostModel())
-            line = fit.fit()
-            cap = MAX_DRAFT_RISE * (line[0] + line[1] * steps) if line is not None else seconds
-            fit.observe(steps, min(seconds, cap))
-
-    def draft_cost(self, method: str) -> tuple[float, float]:
-        """(e0, e1): a propose of depth D costs e0 + e1 * D. A propose has a part that does not grow with its
-        depth (gathering the requests' inputs, the drafter's own bookkeeping): priced per depth alone, one
-        EAGLE-3 depth read 2.0 ms where four cost 1.35 ms each, and deep drafts looked dearer than they are.
-        Until the depths seen spread enough to fit the line, (0, the EMA per depth)."""
-        model = self.draft_fit.get(method)
-        line = model.fit() if model is not None else None
-        return line if line is not None else (0.0, self.draft_step_s.get(method, 0.0))
-
-    def observe_follow_up(self, method: str, seconds: float) -> None:
-        """A head's observe after a step it drafted in: one more forward over the verified rows, paid once
-        per step by the group that drafted with it (part of depth 1's price)."""
-        _ema(self.follow_up_s, method, seconds)
-
-    def observe_catch_up(self, method: str, seconds: float, rows: int) -> None:
-        """A model drafter caught `auto` requests up on `rows` rows it had skipped (a head reading its state
-        stash, a draft model its unseen tokens) in `seconds` (server/engine/catch_up.py): one forward, so
-        fitted as c0 + c1 * rows like a step."""
-        if rows > 0:
-            self.catch_up.setdefault(method, StepCostModel()).observe(rows, seconds)
-
-    def catch_up_s(self, method: str, rows: int, steps: float = 1.0) -> float:
-        """The price per step of catching a request up on `rows` rows, spread over `steps`: (c0 + c1 * rows)
-        / steps once the fit has enough spread, else one draft forward (what a catch-up of a few rows
-        costs) / steps."""
-        if rows <= 0:
-            return 0.0
-        model = self.catch_up.get(method)
-        fit = model.fit() if model is not None else None
-        whole = fit[0] + fit[1] * rows if fit is not None else self.draft_step_s.get(method, 0.0)
-        return whole / max(steps, 1.0)
-
-    def observe_lookup(self, method: str, seconds: float, num_requests: int) -> None:
-        """A context lookup's propose call for `num_requests` requests: its cost does not grow with depth."""
-        if num_requests > 0:
-            _ema(self.lookup_s, method, seconds / num_requests)
 
     def observe_acceptance(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy") -> None:
         self.history.observe(method, num_draft, num_accepted, band)
@@ -258,7 +193,7 @@ class GoodputPolicy:
         model drafter that did not draft for the request last step first catches it up on the rows it
         skipped (`behind`; a head reads them from its stash, a draft model runs them): that forward's
         measured cost (catch_up_s) joins the step's cost, spread over the steps the request has left
-        (_steps_left: a catch-up serves every later step; a request near its end does not switch). A
+        (steps_left: a catch-up serves every later step; a request near its end does not switch). A
         request that drafted nothing for PROBE_EVERY - 1 steps takes the best candidate even when none
         rates higher. The choice reads the context and past acceptance only, never this step's target,
         and no request's text depends on it: greedy and seeded (coupled) sampling emit the same tokens
@@ -278,7 +213,7 @@ class GoodputPolicy:
             share = max(share, 1)
             alpha = self.request_alpha(request, method)
             # only model drafters (a per-depth cost) catch up; a lookup reads the context as it is
-            switch = self.catch_up_s(method, behind(request, method), _steps_left(request, alpha, n)) \
+            switch = self.catch_up_s(method, behind(request, method), steps_left(request, alpha, n)) \
                 if behind is not None and method in self.draft_step_s else 0.0
             fixed, per_depth = self.draft_cost(method)
             rate = self._best_rate(alpha, n, t0, t1, per_depth / share,
@@ -392,19 +327,6 @@ def calibrated_policy(runner, max_num_seqs: int) -> GoodputPolicy:
         log.info("goodput policy calibrated on %d step sizes: step = %.2f ms + %.3f ms per verified token",
                  len(samples), fit[0] * 1e3, fit[1] * 1e3)
     return policy
-
-
-def _steps_left(request, alpha: float, n: int) -> float:
-    """The steps `request` has left if it drafts n positions a step at acceptance alpha: its remaining
-    max_tokens over the expected tokens per step (1 + alpha + ... + alpha ** n), in 1..AMORTIZE_MAX_STEPS."""
-    left = request.sampling_params.max_tokens - request.num_output_tokens
-    per_step = (1.0 - alpha ** (n + 1)) / (1.0 - alpha)
-    return min(max(left / per_step, 1.0), float(AMORTIZE_MAX_STEPS))
-
-
-def _ema(table: dict[str, float], key: str, value: float) -> None:
-    old = table.get(key)
-    table[key] = value if old is None else 0.9 * old + 0.1 * value
 
 
 def _adaptive(seq: ScheduledSeq) -> bool:

@@ -1,0 +1,111 @@
+"""What each speculation method's drafting costs, as the goodput policy learns it (GoodputPolicy's base).
+
+    draft        e0 + e1 * D   a model drafter's propose of depth D (one forward per depth, plus a part that
+                               does not grow with it: gathering the requests' inputs, its own bookkeeping)
+    follow-up    o_m           a head's observe of the rows its drafts were verified in, once per step
+    catch-up     c0 + c1 * rows   a model drafter reading the rows it skipped for an `auto` request
+    lookup       c_m           a context lookup (suffix, ngram) per request, whatever its length
+
+Each line is refitted when a sample arrives, never when it is read: `auto` and the trim read these costs for
+every request and candidate of every step.
+"""
+from __future__ import annotations
+
+from specserve.server.engine.step_cost import StepCostModel
+
+# A draft-cost sample counts for at most this multiple of the estimate (see observe_propose): a prompt
+# catch-up divided by the depth once priced the embedded draft model at 10.7 ms per depth, EAGLE-3 at 2.3.
+MAX_DRAFT_RISE = 2.0
+# A catch-up is paid once for the steps that follow it: once caught up, the drafter stays in step with the
+# request for as long as it keeps drafting, and a request that leaves it pays it again only if it ever
+# comes back, whichever method it takes meanwhile. So `auto` spreads it over the steps the request has left
+# at that method's expected tokens per step, at most this many (a max_tokens far beyond the real answer
+# must not make a long catch-up look free). Charged whole each step, a fresh request's prompt catch-up
+# (~300 rows, 28 ms beside a 10 ms step) kept EAGLE-3 from ever being chosen for a request on which it
+# accepted 74 % of drafts at T = 0.8, and its 2 ms fixed part kept a request that once took a lookup on
+# lookups: auto's T = 0.8 tokens per step were 1.29 against the hybrid's 2.18.
+AMORTIZE_MAX_STEPS = 32
+
+
+class DraftCosts:
+    def __init__(self) -> None:
+        self.draft_step_s: dict[str, float] = {}              # model drafter -> EMA seconds per draft step
+        self.draft_fit: dict[str, StepCostModel] = {}         # model drafter -> propose s = e0 + e1 * depth
+        self.lookup_s: dict[str, float] = {}                  # lookup -> EMA seconds per request and step
+        self.follow_up_s: dict[str, float] = {}               # model drafter -> EMA seconds of its observe
+        self.catch_up: dict[str, StepCostModel] = {}          # model drafter -> catch-up s = c0 + c1 * rows
+        self._draft_line: dict[str, tuple[float, float]] = {}     # draft_fit's current lines
+        self._catch_up_line: dict[str, tuple[float, float]] = {}  # catch_up's current lines
+
+    def observe_propose(self, method: str, seconds: float, steps: int) -> None:
+        """A model drafter's propose call: `steps` draft forwards (its depth) took `seconds`. A call whose
+        first forward caught up on many rows (a draft model reading a whole prompt, a head back from rest)
+        is no draft step's price: each sample moves the estimate by at most MAX_DRAFT_RISE x."""
+        if steps > 0:
+            old = self.draft_step_s.get(method)
+            per = seconds / steps
+            _ema(self.draft_step_s, method, per if old is None else min(per, MAX_DRAFT_RISE * old))
+            fit = self.draft_fit.setdefault(method, StepCostModel())
+            line = self._draft_line.get(method)
+            cap = MAX_DRAFT_RISE * (line[0] + line[1] * steps) if line is not None else seconds
+            fit.observe(steps, min(seconds, cap))
+            _refit(self._draft_line, method, fit)
+
+    def draft_cost(self, method: str) -> tuple[float, float]:
+        """(e0, e1): a propose of depth D costs e0 + e1 * D. A propose has a part that does not grow with its
+        depth (gathering the requests' inputs, the drafter's own bookkeeping): priced per depth alone, one
+        EAGLE-3 depth read 2.0 ms where four cost 1.35 ms each, and deep drafts looked dearer than they are.
+        Until the depths seen spread enough to fit the line, (0, the EMA per depth)."""
+        line = self._draft_line.get(method)
+        return line if line is not None else (0.0, self.draft_step_s.get(method, 0.0))
+
+    def observe_follow_up(self, method: str, seconds: float) -> None:
+        """A head's observe after a step it drafted in: one more forward over the verified rows, paid once
+        per step by the group that drafted with it (part of depth 1's price)."""
+        _ema(self.follow_up_s, method, seconds)
+
+    def observe_catch_up(self, method: str, seconds: float, rows: int) -> None:
+        """A model drafter caught `auto` requests up on `rows` rows it had skipped (a head reading its state
+        stash, a draft model its unseen tokens) in `seconds` (server/engine/catch_up.py): one forward, so
+        fitted as c0 + c1 * rows like a step."""
+        if rows > 0:
+            fit = self.catch_up.setdefault(method, StepCostModel())
+            fit.observe(rows, seconds)
+            _refit(self._catch_up_line, method, fit)
+
+    def catch_up_s(self, method: str, rows: int, steps: float = 1.0) -> float:
+        """The price per step of catching a request up on `rows` rows, spread over `steps`: (c0 + c1 * rows)
+        / steps once the fit has enough spread, else one draft forward (what a catch-up of a few rows
+        costs) / steps."""
+        if rows <= 0:
+            return 0.0
+        fit = self._catch_up_line.get(method)
+        whole = fit[0] + fit[1] * rows if fit is not None else self.draft_step_s.get(method, 0.0)
+        return whole / max(steps, 1.0)
+
+    def observe_lookup(self, method: str, seconds: float, num_requests: int) -> None:
+        """A context lookup's propose call for `num_requests` requests: its cost does not grow with depth."""
+        if num_requests > 0:
+            _ema(self.lookup_s, method, seconds / num_requests)
+
+
+def steps_left(request, alpha: float, n: int) -> float:
+    """The steps `request` has left if it drafts n positions a step at acceptance alpha: its remaining
+    max_tokens over the expected tokens per step (1 + alpha + ... + alpha ** n), in 1..AMORTIZE_MAX_STEPS."""
+    left = request.sampling_params.max_tokens - request.num_output_tokens
+    per_step = (1.0 - alpha ** (n + 1)) / (1.0 - alpha)
+    return min(max(left / per_step, 1.0), float(AMORTIZE_MAX_STEPS))
+
+
+def _ema(table: dict[str, float], key: str, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else 0.9 * old + 0.1 * value
+
+
+def _refit(lines: dict[str, tuple[float, float]], method: str, model: StepCostModel) -> None:
+    """Keep `method`'s current line (absent while the model cannot fit one)."""
+    line = model.fit()
+    if line is None:
+        lines.pop(method, None)
+    else:
+        lines[method] = line
