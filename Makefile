@@ -8,14 +8,18 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 SPECULATORS_PIN := speculators==0.9.0
+# Triton for the CUDA kernel's tests on CPU (interpreter mode, tests/test_triton_attention.py); kept out of the
+# venv's own packages, where the CPU torch build has none
+TRITON_PIN := triton==3.6.0
 
-.PHONY: venv system-deps serve test test-structured-soak test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report bench-coupled bench-structured bench-auto bench-tp bench-metrics bench-tree gpu-check lint clean
+.PHONY: venv system-deps serve test test-structured-soak test-fast bench-decode bench-spec bench-baselines bench-paired bench-server-ab bench-vllm bench-report bench-coupled bench-structured bench-auto bench-tp bench-metrics bench-tree gpu-check gpu-check-run lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
 	$(BIN)/python -m pip install -q --no-deps $(SPECULATORS_PIN)
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/triton-interp $(TRITON_PIN)
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -78,10 +82,18 @@ bench-report: venv
 	$(BIN)/python -m loadtest.bench_report $(ARGS)
 
 # On a CUDA machine: flash-attn vs SDPA equivalence + a short decode benchmark (< 5 minutes).
+# On a CUDA machine: the CUDA attention tests (Triton kernel, and flash-attn when its optional extra installs)
+# and loadtest.gpu_check's tables. `make gpu-check-run GPU_PY=python3` runs them with an interpreter that already
+# holds torch and the package (no venv; for machines without a package registry).
+GPU_PY ?= $(BIN)/python
 gpu-check: venv
-	$(BIN)/python -m pip install -q -e '.[gpu]' || echo "flash-attn did not install; SDPA path only"
-	$(BIN)/python -m pytest -q -m gpu tests/test_models_gpu.py
-	$(BIN)/python -m loadtest.bench_decode --device cuda --dtype bfloat16 --quick
+	$(BIN)/python -m pip install -q -e '.[gpu]' || echo "flash-attn did not install; Triton and SDPA paths only"
+	$(MAKE) gpu-check-run
+
+gpu-check-run:
+	$(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/test_models_gpu.py
+	$(GPU_PY) -m pytest -q -p no:cacheprovider tests/triton_cases.py
+	$(GPU_PY) -m loadtest.gpu_check --device cuda --dtype bfloat16
 
 lint: venv
 	$(BIN)/ruff check .

@@ -1,6 +1,7 @@
 """Is greedy text independent of batching and speculation in this dtype and attention backend?
 
     python -m loadtest.batch_invariance --dtype bfloat16 [--attention-backend paged|sdpa] [--kv-cache-dtype auto]
+        [--device cuda --attention-backend triton|sdpa]
 
 Each prompt (8 per set: code_editing, code_completion, prose) is decoded alone without speculation; then
 all of them at once, once per method (k = 4, the goodput policy off so every draft is verified). Prints,
@@ -37,13 +38,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--per-set", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--methods", default=",".join(METHODS))
     args = ap.parse_args(argv)
     start = time.perf_counter()
-    eng = LLM(config=EngineConfig(dtype=args.dtype, device="cpu", kv_cache_memory_gb=0.3, seed=0,
+    eng = LLM(config=EngineConfig(dtype=args.dtype, device=args.device, kv_cache_memory_gb=0.3, seed=0,
                                   attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype))
     tok = eng.engine.tokenizer
     prompts = [tok.encode(r["prompt"]) for s in ("code_editing", "code_completion", "prose")

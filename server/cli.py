@@ -66,10 +66,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage; auto = the model dtype (a bf16 cache holds twice the tokens of "
                         "fp32), except fp32 on CPU under the SDPA attention fallback (default: %(default)s)")
     g.add_argument("--attention-backend", default=e.attention_backend, choices=ATTENTION_BACKENDS,
-                   help="CPU attention: paged = a C++ kernel reading the paged cache in place, built at first "
-                        "start into ~/.cache/specserve/kernels (needs g++); sdpa = torch SDPA over gathered "
-                        "blocks; auto = paged if it builds, else sdpa with the reason logged "
-                        "(default: %(default)s)")
+                   help="attention kernel. CPU: paged = a C++ kernel reading the paged cache in place, built "
+                        "at first start into ~/.cache/specserve/kernels (needs g++). CUDA: triton = a Triton "
+                        "kernel reading the paged cache in place; flash = flash-attn (extra 'gpu'). Both: sdpa = "
+                        "torch SDPA over gathered blocks. auto = paged on CPU if it builds, triton on CUDA, else "
+                        "sdpa with the reason logged (default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=e.max_model_len, metavar="N",
                    help="context length (prompt + output). Default: the model's max_position_embeddings")
     g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, metavar="N",

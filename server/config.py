@@ -9,13 +9,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from specserve.server.models.backend_names import ATTENTION_BACKENDS, DEVICE_BACKENDS
 from specserve.speculators import registry
 from specserve.speculators.base import DraftTree, SpecParams
 from specserve.speculators.tree_shape import TREE_MAX_NODES, TREE_METHODS, check_tree
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES             # auto = the model dtype where attention is exact in it (kv_cache.cache_dtype)
-ATTENTION_BACKENDS = ("auto", "sdpa", "paged")   # CPU attention (server/models/attention.py)
 SPECULATION_POLICIES = ("goodput", "fixed")
 METRICS_COMPAT = ("none", "vllm")        # server/metrics.py: which other names /metrics carries
 SUFFIX_SCOPES = ("request", "user", "global")
@@ -32,7 +32,7 @@ class EngineConfig:
     block_size: int = 0                    # tokens per KV block; 0 = auto (attention.pick_block_size)
     kv_cache_memory_gb: float = 1.0        # KV cache budget; number of blocks = budget // bytes per block
     kv_cache_dtype: str = "auto"           # auto = model dtype (fp32 under the CPU SDPA fallback)
-    attention_backend: str = "auto"        # CPU: auto = the in-place paged kernel if it builds, else sdpa
+    attention_backend: str = "auto"        # auto: CPU the in-place paged kernel (else sdpa), CUDA triton
     max_model_len: int | None = None       # default: the model's max_position_embeddings
     max_num_seqs: int = 64                 # running requests per step
     max_num_batched_tokens: int = 2048     # token budget per step (prefill chunks + decode + drafts)
@@ -72,6 +72,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        kind = "cuda" if self.device.startswith("cuda") else self.device
+        if kind != "auto" and self.attention_backend not in ("auto", *DEVICE_BACKENDS[kind]):
+            raise ValueError(f"attention_backend {self.attention_backend} does not run on {kind}; choose auto or "
+                             f"one of {DEVICE_BACKENDS[kind]}")
         if self.block_size not in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be 0 (auto) or a power of two in [1, 256], got {self.block_size}")
         if not self.kv_cache_memory_gb > 0:

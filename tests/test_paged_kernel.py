@@ -95,7 +95,7 @@ def test_failed_build_falls_back_to_sdpa(monkeypatch):
     monkeypatch.setattr(paged_kernel, "_state", {})
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     monkeypatch.setattr(paged_kernel, "cache_dir", lambda: paged_kernel.Path("/nonexistent-cache"))
-    monkeypatch.setattr(attention, "_cpu_choice", {"requested": "auto"})
+    monkeypatch.setattr(attention, "_choice", {"requested": "auto"})
     assert attention.configure_backend("auto") == "sdpa"
     assert paged_kernel.load_error()
     with pytest.raises(RuntimeError, match="does not build"):
@@ -108,7 +108,7 @@ def test_kv_cache_dtype_follows_the_model_under_the_paged_kernel_and_holds_twice
     from specserve.server.kv import kv_cache
     from specserve.server.models.config import ModelConfig
     monkeypatch.setattr(kv_cache, "_requested", {"kv_cache_dtype": "auto"})
-    monkeypatch.setattr(attention, "_cpu_choice", {"requested": "auto"})
+    monkeypatch.setattr(attention, "_choice", {"requested": "auto"})
     assert attention.configure_backend("paged") == "paged"
     assert kv_cache.cache_dtype(torch.bfloat16, "cpu") == torch.bfloat16
     assert kv_cache.cache_dtype(torch.float32, "cpu") == torch.float32
@@ -128,7 +128,9 @@ def test_kv_cache_dtype_follows_the_model_under_the_paged_kernel_and_holds_twice
 def test_block_size_auto_is_flash_attns_page_on_cuda_and_16_elsewhere(monkeypatch, caplog):
     assert attention.pick_block_size(0, "cpu") == 16
     assert attention.pick_block_size(64, "cpu") == 64
-    monkeypatch.setattr(attention, "FLASH_ATTN_AVAILABLE", True)       # what a CUDA machine with flash-attn sees
+    monkeypatch.setattr(attention, "_choice", {"requested": "auto"})
+    monkeypatch.setattr(attention.triton_attention, "available", lambda: False)
+    monkeypatch.setattr(attention, "FLASH_ATTN_AVAILABLE", True)       # a CUDA machine with flash-attn, no triton
     assert attention.default_backend("cuda") == "flash"
     assert attention.pick_block_size(0, "cuda") == 256
     with caplog.at_level("WARNING"):

@@ -20,7 +20,7 @@ from specserve.server.engine.tokenizer import Tokenizer
 from specserve.server.kv.block_manager import BlockManager
 from specserve.server.kv.kv_cache import cache_dtype, configure_kv_cache_dtype, kv_cache_bytes_per_block
 from specserve.server.models import embedded
-from specserve.server.models.attention import configure_backend, default_backend, pick_block_size
+from specserve.server.models.attention import configure_backend, pick_block_size
 from specserve.speculators import registry
 from specserve.speculators.base import BuildContext
 
@@ -110,8 +110,8 @@ def _assemble(cfg: EngineConfig, model, mcfg, name: str, model_dir: Path | None,
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {mcfg.vocab_size}")
     max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     budget = int(cfg.kv_cache_memory_gb * (1 << 30))
+    backend = configure_backend(cfg.attention_backend, device)
     cfg = dataclasses.replace(cfg, block_size=pick_block_size(cfg.block_size, device))
-    backend = configure_backend(cfg.attention_backend) if device.type == "cpu" else default_backend(device)
     configure_kv_cache_dtype(cfg.kv_cache_dtype)
     # One budget for everyone: each target block comes with one block in every drafter's own cache.
     kv_dtype = cache_dtype(dtype, device)

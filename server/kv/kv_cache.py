@@ -29,7 +29,7 @@ def cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     bf16/fp16 model keeps K/V and attends in fp32, because CPU SDPA's reduced-precision kernels round each
     query row differently with the number of keys and rows in the call (batch padding, drafts in a
     verify step), which flipped greedy tokens (tests/test_engine_speculative.py).
-    CUDA keeps the model dtype (flash-attn needs it).
+    CUDA keeps the model dtype (the Triton kernel accumulates in fp32; flash-attn needs it).
     """
     explicit = KV_CACHE_DTYPES[_requested["kv_cache_dtype"]]
     if explicit is not None:

@@ -7,9 +7,12 @@ all one case. Each layer first writes this step's K/V into the cache slots (slot
 every query attends causally to its own sequence's cached context, this step's tokens included.
 
 Backends (picked per device from what is importable; the choice is logged once at import):
-- "flash": flash-attn varlen. With block_size % 256 == 0 it reads the paged cache directly
-  (block_table=); otherwise (upstream FA2 only pages in 256-token blocks) the context K/V are first
-  gathered into one contiguous varlen buffer with slot indices precomputed in the metadata.
+- "triton": the CUDA default, triton_attention.py: reads the paged cache in place at any block size, with
+  a fixed reduction order per query row (batch- and speculation-invariant in bf16 as on CPU).
+- "flash": flash-attn varlen (`--attention-backend flash`, pip extra "gpu"). With block_size % 256 == 0 it
+  reads the paged cache directly (block_table=); otherwise (upstream FA2 only pages in 256-token blocks)
+  the context K/V are first gathered into one contiguous varlen buffer with slot indices precomputed in
+  the metadata. Its split of the keys follows the batch, so its rounding of a row may too.
 - "paged": the CPU kernel of paged_kernel.py, reading the paged cache in place (block table, no gather,
   no padding) in fp32, bf16 or fp16 storage with a fixed per-row reduction order; the CPU default when it
   builds (`--attention-backend auto`), else SDPA with the reason logged.
@@ -25,7 +28,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from specserve.server.models import paged_kernel
+from specserve.server.models import paged_kernel, triton_attention
 from specserve.server.models.attention_metadata import (
     FLASH_PAGED_BLOCK_MULTIPLE,
     SHORT_QUERY_MAX,
@@ -34,6 +37,7 @@ from specserve.server.models.attention_metadata import (
     ShortGroup,
     build_metadata,
 )
+from specserve.server.models.backend_names import ATTENTION_BACKENDS, DEVICE_BACKENDS
 
 __all__ = [
     "FLASH_ATTN_AVAILABLE",
@@ -59,41 +63,63 @@ if torch.cuda.is_available():  # flash-attn is CUDA-only: never even imported on
         from flash_attn import flash_attn_varlen_func
         FLASH_ATTN_AVAILABLE = True
     except ImportError as exc:  # pragma: no cover - depends on the machine
-        logger.warning("CUDA is available but flash_attn is not importable (%s); using torch SDPA", exc)
-    logger.info("attention backend on CUDA: %s", "flash-attn" if FLASH_ATTN_AVAILABLE else "torch SDPA")
+        logger.info("flash_attn is not importable (%s): the optional flash backend is off", exc)
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "paged")
-_cpu_choice = {"requested": "auto"}     # set once at start-up by configure_backend (--attention-backend)
+_choice = {"requested": "auto"}     # set once at start-up by configure_backend (--attention-backend)
 
 
-def configure_backend(name: str) -> str:
-    """Pick the CPU backend for this process: auto (paged if its kernel builds, else sdpa), sdpa or paged
-    (an error if the kernel cannot be built). Returns the backend CPU steps will use."""
+def configure_backend(name: str, device: torch.device | str = "cpu") -> str:
+    """Pick this process's attention backend (--attention-backend) for `device`; returns what steps will use.
+    auto: on CPU the paged kernel if it builds, else sdpa; on CUDA triton, else flash, else sdpa. A backend
+    that does not run on the device, or cannot be loaded, is a start-up error."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    kind = torch.device(device).type
+    allowed = DEVICE_BACKENDS.get(kind, ("sdpa",))
+    if name != "auto" and name not in allowed:
+        raise ValueError(f"--attention-backend {name} does not run on {kind}; choose auto or one of {allowed}")
     if name == "paged" and paged_kernel.load() is None:
         raise RuntimeError(f"--attention-backend paged: the kernel does not build: {paged_kernel.load_error()}")
-    _cpu_choice["requested"] = name
-    return cpu_backend()
+    if name == "triton" and triton_attention.self_check(device) is not None:
+        raise RuntimeError(f"--attention-backend triton: {triton_attention.self_check(device)}")
+    if name == "flash" and not FLASH_ATTN_AVAILABLE:
+        raise RuntimeError("--attention-backend flash: flash_attn is not importable (pip install 'specserve[gpu]')")
+    _choice["requested"] = name
+    return default_backend(device)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning(message)
 
 
 def cpu_backend() -> str:
     """"paged" or "sdpa": what CPU steps run (auto resolves to paged when the kernel builds)."""
-    if _cpu_choice["requested"] == "sdpa":
+    if _choice["requested"] == "sdpa":
         return "sdpa"
     return "paged" if paged_kernel.load() is not None else "sdpa"
 
 
 def default_backend(device: torch.device | str) -> str:
     if torch.device(device).type == "cuda":
+        if _choice["requested"] in DEVICE_BACKENDS["cuda"]:
+            return _choice["requested"]
+        problem = triton_attention.self_check(device) if triton_attention.available() else triton_attention.IMPORT_ERROR
+        if problem is None:
+            return "triton"
+        _log_once(f"CUDA attention falls back to {'flash-attn' if FLASH_ATTN_AVAILABLE else 'SDPA'}: {problem}")
         return "flash" if FLASH_ATTN_AVAILABLE else "sdpa"
     return cpu_backend()
 
 
 def pick_block_size(requested: int, device: torch.device | str) -> int:
     """The KV block size for --block-size `requested` (0: auto). CUDA with flash-attn: 256, the page size
-    its paged kernel takes, so every step reads the cache in place; elsewhere 16 (the CPU kernel and SDPA
+    its paged kernel takes, so every step reads the cache in place; elsewhere 16 (the CPU and Triton kernels
     read any block size in place; small blocks share prompt prefixes at a finer grain). An explicit size
     that makes flash-attn gather the context every layer is kept, with a warning."""
     on_flash = default_backend(device) == "flash"
@@ -112,7 +138,7 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
     """Once per forward. Example: query_lens [3, 1], seq_lens [3, 6], block_size 4,
     block_tables [[7], [2, 5]] -> positions [0 1 2 5], slot_mapping [28 29 30 21], query_start_loc [0 3 4].
 
-    `backend` overrides the device default ("sdpa" | "paged" | "flash"); tests use it to compare them.
+    `backend` overrides the device default ("sdpa" | "paged" | "triton" | "flash"); tests compare them.
     """
     return build_metadata(query_lens, seq_lens, block_tables, block_size, torch.device(device),
                           backend or default_backend(device))
@@ -138,6 +164,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if attn.backend == "paged":   # fp32 accumulation whatever the cache holds
         return paged_kernel.paged_attention_cpu(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
                                                 attn.query_start_loc, scale, window).to(out_dtype)
+    if attn.backend == "triton":  # likewise
+        return triton_attention.paged_attention_triton(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
+                                                       attn.query_start_loc, attn.max_query_len, scale, window)
     if k_cache.dtype != q.dtype:     # SDPA attends in the cache dtype (fp32 for a bf16 model, kv_cache.cache_dtype)
         q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
     if attn.backend == "flash":

@@ -94,7 +94,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    backend: str = "sdpa"               # "sdpa" | "paged" | "flash"
+    backend: str = "sdpa"               # "sdpa" | "paged" | "triton" | "flash"
     query_lens_cpu: tuple[int, ...] = ()
     seq_lens_cpu: tuple[int, ...] = ()
     # SDPA backend plan
@@ -168,7 +168,7 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: lis
         _plan_flash(meta, table, s_lens)
     elif backend == "sdpa":
         _plan_sdpa(meta, table, q_lens, s_lens, qsl)
-    elif backend != "paged":    # the paged kernel reads block_tables / seq_lens / query_start_loc as they are
+    elif backend not in ("paged", "triton"):   # the kernels read block_tables / seq_lens / query_start_loc as is
         raise ValueError(f"unknown attention backend {backend!r}")
     return _to_device(meta, torch.device(device))
 
