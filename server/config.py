@@ -27,7 +27,7 @@ class EngineConfig:
     model: str | None = None               # HF-layout directory; None = the default (embedded) model
     models_dir: str | None = None          # the embedded family's folder (server/models/embedded.py says the rule)
     served_model_name: str | None = None   # name in /v1/models; default: the model dir's basename
-    dtype: str = "auto"                    # auto = bf16 on CUDA, fp32 on CPU (builder.pick_dtype says why)
+    dtype: str = "auto"                    # auto = bf16 on CUDA, and on CPUs where fast and exact (pick_dtype)
     device: str = "auto"                   # auto = cuda if available else cpu
     block_size: int = 0                    # tokens per KV block; 0 = auto (attention.pick_block_size)
     kv_cache_memory_gb: float = 1.0        # KV cache budget; number of blocks = budget // bytes per block

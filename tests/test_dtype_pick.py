@@ -1,19 +1,51 @@
-"""--dtype auto: an explicit dtype passes through; on CPU auto is fp32 (exact greedy equivalence) and
-leaves the RNG alone."""
+"""--dtype auto: an explicit dtype passes through; on CUDA bf16; on CPU bf16 only where it is fast and exact
+(native bf16, the paged attention kernel, row-stable packed bf16 linears), else fp32 with the reason logged.
+The start-up probe leaves the global RNG alone."""
+import logging
+
 import torch
 
-from specserve.server.engine.builder import pick_dtype
+from specserve.server.engine import builder
+from specserve.server.engine.builder import cpu_bf16_problem, pick_dtype
+from specserve.server.models import linear, paged_kernel
 
 
 def test_explicit_dtypes_pass_through():
     assert pick_dtype("float32", torch.device("cpu")) is torch.float32
     assert pick_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+    assert pick_dtype("auto", torch.device("cuda")) is torch.bfloat16
 
 
-def test_auto_on_cpu_probes_without_touching_the_global_rng():
+def test_auto_on_cpu_follows_what_this_cpu_can_do_and_leaves_the_rng_alone():
     torch.manual_seed(123)
     expected = torch.rand(4)
     torch.manual_seed(123)
     picked = pick_dtype("auto", torch.device("cpu"))
-    assert picked is torch.float32
     assert torch.equal(torch.rand(4), expected)
+    native = bool(paged_kernel.cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    fast_and_exact = native and paged_kernel.load() is not None and linear.bf16_rows_stable()
+    assert picked is (torch.bfloat16 if fast_and_exact else torch.float32)
+
+
+def test_each_reason_keeps_fp32(monkeypatch, caplog):
+    monkeypatch.setattr(paged_kernel, "cpu_flags", lambda: {"avx2", "avx512f"})
+    with caplog.at_level(logging.INFO, logger=builder.log.name):
+        assert pick_dtype("auto", torch.device("cpu")) is torch.float32
+    assert "no AVX512-BF16 or AMX" in caplog.text
+    monkeypatch.setattr(paged_kernel, "cpu_flags", lambda: {"avx512_bf16"})
+    assert "sdpa" in cpu_bf16_problem("sdpa")
+    monkeypatch.setattr(paged_kernel, "load", lambda: None)
+    assert "does not build" in cpu_bf16_problem("auto")
+
+
+def test_the_row_stability_probe_fails_on_a_linear_whose_rows_follow_the_batch(monkeypatch):
+    probe = torch.nn.utils.skip_init(linear.Linear, 8, 8, bias=False, dtype=torch.bfloat16)
+    probe.pack()
+    packable = probe.packed is not None
+    real = linear.Linear._packed
+    planted = lambda self, x: real(self, x) * (1 + 2 ** -6 * (x.shape[0] > 32))   # a blocking switch above 32 rows
+    monkeypatch.setattr(linear.Linear, "_packed", planted)
+    monkeypatch.setattr(linear, "BF16_ROW_BLOCK", 4096)
+    assert not linear.bf16_rows_stable()
+    monkeypatch.setattr(linear, "BF16_ROW_BLOCK", 32)          # in blocks of 32 rows the planted switch never fires
+    assert linear.bf16_rows_stable() is packable

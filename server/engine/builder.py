@@ -39,20 +39,43 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA, fp32 on CPU, even on CPUs where bf16 is faster (AMX Xeon: packed bf16 linears
-    ~1.9-2.3x fp32 at 1 row, ~4x at 32; server/models/linear.py).
+def pick_dtype(name: str, device: torch.device, attention_backend: str = "auto") -> torch.dtype:
+    """auto: bf16 on CUDA; on CPU bf16 where it is both fast and exact, else fp32 (the reason logged).
 
-    Why: greedy output would no longer be exactly independent of batching. With bf16 weights (linears
-    row-stable, attention in fp32, kv_cache.cache_dtype) the attention output still differs at the 1e-7
-    level between a token decoded alone, among drafts or in a padded batch, and its cast back to bf16
-    turns that into a 1-ulp change often enough to flip a near-tie now and then (measured: 1 of 8
-    code-editing prompts diverged at token 54 between batch 8 and batch 1). fp32 keeps the project's
-    promise that speculation never changes greedy output; `--dtype bfloat16` is an explicit choice.
+    bf16 on CPU is ~1.4x fp32 at batch 1 here (AMX / AVX512-BF16: packed bf16 linears ~1.9-2.3x fp32 at
+    1 row, ~4x at 32; server/models/linear.py), and greedy output stays independent of batching and
+    speculation only when every row is computed the same way whatever the rows around it: the packed bf16
+    linear in blocks of 32 rows (probed here: linear.bf16_rows_stable) and the paged attention kernel
+    (fp32 accumulation in a fixed order per row; SDPA rounds a bf16 row by the batch's shape). Where a
+    CPU lacks native bf16 (emulated: slower than fp32), the kernel does not build, `--attention-backend
+    sdpa` is asked for, or the probe fails, auto stays fp32. Measured with the paged kernel: 0 of 192
+    batched greedy outputs differ from their lone plain decoding in bf16 (loadtest.batch_invariance).
     """
     if name != "auto":
         return getattr(torch, name)
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        return torch.bfloat16
+    problem = cpu_bf16_problem(attention_backend)
+    if problem is None:
+        return torch.bfloat16
+    log.info("--dtype auto: float32 (%s)", problem)
+    return torch.float32
+
+
+def cpu_bf16_problem(attention_backend: str) -> str | None:
+    """Why bf16 is not this CPU's auto dtype, or None when it is."""
+    from specserve.server.models import paged_kernel
+    from specserve.server.models.linear import bf16_rows_stable
+    flags = paged_kernel.cpu_flags()
+    if not flags & {"avx512_bf16", "amx_bf16"}:
+        return "no AVX512-BF16 or AMX: bf16 matmuls would be emulated, slower than fp32"
+    if attention_backend == "sdpa":
+        return "--attention-backend sdpa: its bf16 rows depend on the batch"
+    if paged_kernel.load() is None:
+        return f"the paged attention kernel does not build ({paged_kernel.load_error()})"
+    if not bf16_rows_stable():
+        return "oneDNN's packed bf16 linear gives a row other bits beside other rows on this CPU"
+    return None
 
 
 def resolve_model_dir(cfg: EngineConfig) -> tuple[Path | None, Path]:
@@ -76,7 +99,7 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = pick_device(cfg.device)
-    dtype = pick_dtype(cfg.dtype, device)
+    dtype = pick_dtype(cfg.dtype, device, cfg.attention_backend)
     model_dir, tok_dir = resolve_model_dir(cfg)
     tokenizer = Tokenizer(str(tok_dir))
     session = None

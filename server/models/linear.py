@@ -103,3 +103,22 @@ def pack_linears(module: nn.Module) -> int:
             sub.pack()
             count += sub.packed is not None
     return count
+
+
+def bf16_rows_stable(sizes: tuple[int, ...] = (1, 5, 17, 32, 40, 64, 100)) -> bool:
+    """Does the packed bf16 path give every row the same bits whatever the rows around it, on this CPU?
+
+    Probed at start-up (builder.pick_dtype) with a seeded generator of its own, so the global RNG is left
+    alone: a [256, 256] layer, each batch size in `sizes` against its rows computed one at a time.
+    """
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.utils.skip_init(Linear, 256, 256, bias=False, dtype=torch.bfloat16)   # no RNG draw
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(256, 256, generator=gen))
+    layer.pack()
+    if layer.packed is None:
+        return False
+    x = torch.randn(max(sizes), 256, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+        return all(torch.equal(layer(x[:n]), alone[:n]) for n in sizes)
