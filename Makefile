@@ -19,10 +19,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
 	$(BIN)/python -m pip install -q --no-deps $(SPECULATORS_PIN)
-	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/triton-interp $(TRITON_PIN)
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# the tests' own triton (interpreter mode on CPU), beside the venv's packages: only the test targets need it
+TRITON_DIR := $(VENV)/triton-interp
+$(TRITON_DIR)/.installed: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(TRITON_DIR) $(TRITON_PIN)
+	touch $@
 
 serve: venv
 	$(BIN)/specserve serve --host $(HOST) --port $(PORT) $(ARGS)
@@ -39,7 +44,7 @@ system-deps:
 	  || { echo "could not install prometheus; run as root: apt-get update && apt-get install -y --no-install-recommends prometheus"; exit 1; }; \
 	fi
 
-test: venv system-deps
+test: venv system-deps $(TRITON_DIR)/.installed
 	$(BIN)/python -m pytest -q -ra
 
 # The structured-output randomized run at 10x make test's size (2000 requests: methods, k, T, schemas).

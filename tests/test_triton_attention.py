@@ -1,7 +1,7 @@
 """The CUDA attention backend's choice, and its Triton kernel's cases (tests/triton_cases.py) run on CPU
 under Triton's interpreter.
 
-The CPU torch build ships no triton, so `make venv` installs one into .venv/triton-interp, outside the
+The CPU torch build ships no triton, so `make test` installs one into .venv/triton-interp, outside the
 test environment's own packages; the cases run in a subprocess with TRITON_INTERPRET=1 and that folder on
 PYTHONPATH. On a CUDA machine `make gpu-check` runs the same cases natively.
 """
@@ -24,7 +24,7 @@ TRITON_DIR = Path(sys.prefix) / "triton-interp"
 
 
 def test_kernel_cases_pass_under_the_triton_interpreter():
-    assert (TRITON_DIR / "triton").is_dir(), f"no triton in {TRITON_DIR}: `make venv` installs it there"
+    assert (TRITON_DIR / "triton").is_dir(), f"no triton in {TRITON_DIR}: `make test` installs it there"
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TRITON_DIR), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton_cases.py"],
