@@ -70,17 +70,20 @@ def best_of_rounds(measure: dict, rounds: int) -> dict:
     return best
 
 
-def matvec_bandwidth(dtype: torch.dtype) -> float:
-    """Bytes/s streaming a 128 MiB-ish weight matrix through a matrix-vector product."""
+def matvec_bandwidth(dtype: torch.dtype, device: str = "cpu") -> float:
+    """Bytes/s streaming a 128 MiB-ish weight matrix through a matrix-vector product on `device`."""
     n = 8192 if dtype == torch.float32 else 11585
-    w = torch.randn(n, n).to(dtype)
-    x = torch.randn(1, n).to(dtype)
+    w = torch.randn(n, n).to(dtype).to(device)
+    x = torch.randn(1, n).to(dtype).to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(2):
         x @ w.T
+    sync()
     reps = 10
     t = time.perf_counter()
     for _ in range(reps):
         x @ w.T
+    sync()
     return w.numel() * w.element_size() * reps / (time.perf_counter() - t)
 
 
@@ -130,7 +133,7 @@ def main() -> None:
             b1, b1c = best["eager"], best.get("compiled", float("nan"))
             bn, _ = ours_tokens_per_s(engines["eager"], prompts, new)
             weight_bytes = nparams * torch.tensor([], dtype=dtype).element_size()
-            roof = weight_bytes / matvec_bandwidth(dtype)
+            roof = weight_bytes / matvec_bandwidth(dtype, args.device)
             step = 1 / b1
             print(f"{name:9} {hf:8.1f} {b1:8.1f} {b1 / hf:6.2f} {b1c:8.1f} {b1c / hf:6.2f} | {bn:9.1f} "
                   f"{bn / b1:7.2f} | {step * 1e3:7.2f} {roof * 1e3:11.2f} {step / roof:6.2f}")
