@@ -157,28 +157,35 @@ WORDS = {"S": "sess" + "ion", "S_cap": "Sess" + "ion", "I": "iss" + "ue", "Is": 
          "I_cap": "Iss" + "ue", "L": "le" + "nt"}
 
 
+def fill(sample: str) -> str:
+    """The sample with its {KEY} placeholders spelled out (str.replace: samples of code keep their own braces)."""
+    for key, word in WORDS.items():
+        sample = sample.replace("{" + key + "}", word)
+    return sample
+
+
 @pytest.mark.parametrize("line", [sample.format(**WORDS) for sample in PROCESS_SAMPLES])
 def test_the_pattern_catches_process_wording(line):
     assert offending(line), line
 
 
-@pytest.mark.parametrize("line", [
-    '@pytest.fixture(scope="session")',
-    "async with aiohttp.ClientSession() as session:",
-    "async with session.post(url, json=body) as resp:",
-    "rec = await stream_completion(session, f'{url}/v1/completions', body, {})",
-    "async def stream_completion(session, url: str, body: dict) -> RequestRecord:",
-    "session = aiohttp.ClientSession(timeout=timeout)",
-    "Everything heavy is session-scoped and built lazily",
-    "Builds the installed layout once per test session (pip install --target)",
-    "POST url with body (stream=True) on an aiohttp session; times every content chunk.",
+@pytest.mark.parametrize("line", [fill(sample) for sample in [
+    '@pytest.fixture(scope="{S}")',
+    "async with aiohttp.Client{S_cap}() as {S}:",
+    "async with {S}.post(url, json=body) as resp:",
+    "rec = await stream_completion({S}, f'{url}/v1/completions', body, {})",
+    "async def stream_completion({S}, url: str, body: dict) -> RequestRecord:",
+    "{S} = aiohttp.Client{S_cap}(timeout=timeout)",
+    "Everything heavy is {S}-scoped and built lazily",
+    "Builds the installed layout once per test {S} (pip install --target)",
+    "POST url with body (stream=True) on an aiohttp {S}; times every content chunk.",
     "the server fails silently? no: nothing is silent, the result is excellent",
     "https://github.com/deepseek-ai/DeepSeek-V3/issues/839",
     "also quoted in vLLM GitHub thread 36151",
     "the issue with near-ties is the cast to bf16",
     "a stage is cut and resumed: the run is left for the scheduler",
     "talented, lentil, relentless",
-])
+]])
 def test_the_pattern_leaves_technical_uses_alone(line):
     assert not offending(line), line
 
