@@ -268,3 +268,16 @@ def test_the_start_up_prior_tilts_the_line_but_the_steps_seen_set_its_level():
     t0, t1 = m.fit()
     assert t1 == pytest.approx(T1, rel=0.05)
     assert t0 + t1 * 5 == pytest.approx(T0 + 0.002 + T1 * 5, rel=1e-6)
+
+
+def test_the_step_line_is_kept_between_samples_and_follows_each_new_one():
+    model = StepCostModel()
+    model.set_prior([(1, 0.010), (9, 0.018)])
+    first = model.fit()
+    assert model.fit() is first                       # read again: the same line, not a new fit
+    for _ in range(20):
+        model.observe(5, 0.030)
+    moved = model.fit()
+    assert moved != first and moved[0] + 5 * moved[1] == pytest.approx(0.030)
+    model.set_prior([(1, 0.001), (9, 0.009)])
+    assert model.fit() != moved

@@ -6,7 +6,7 @@
     catch-up     c0 + c1 * rows   a model drafter reading the rows it skipped for an `auto` request
     lookup       c_m           a context lookup (suffix, ngram) per request, whatever its length
 
-Each line is refitted when a sample arrives, never when it is read: `auto` and the trim read these costs for
+Each line is a StepCostModel, whose fit is kept between samples: `auto` and the trim read these costs for
 every request and candidate of every step.
 """
 from __future__ import annotations
@@ -34,8 +34,6 @@ class DraftCosts:
         self.lookup_s: dict[str, float] = {}                  # lookup -> EMA seconds per request and step
         self.follow_up_s: dict[str, float] = {}               # model drafter -> EMA seconds of its observe
         self.catch_up: dict[str, StepCostModel] = {}          # model drafter -> catch-up s = c0 + c1 * rows
-        self._draft_line: dict[str, tuple[float, float]] = {}     # draft_fit's current lines
-        self._catch_up_line: dict[str, tuple[float, float]] = {}  # catch_up's current lines
 
     def observe_propose(self, method: str, seconds: float, steps: int) -> None:
         """A model drafter's propose call: `steps` draft forwards (its depth) took `seconds`. A call whose
@@ -46,17 +44,17 @@ class DraftCosts:
             per = seconds / steps
             _ema(self.draft_step_s, method, per if old is None else min(per, MAX_DRAFT_RISE * old))
             fit = self.draft_fit.setdefault(method, StepCostModel())
-            line = self._draft_line.get(method)
+            line = fit.fit()
             cap = MAX_DRAFT_RISE * (line[0] + line[1] * steps) if line is not None else seconds
             fit.observe(steps, min(seconds, cap))
-            _refit(self._draft_line, method, fit)
 
     def draft_cost(self, method: str) -> tuple[float, float]:
         """(e0, e1): a propose of depth D costs e0 + e1 * D. A propose has a part that does not grow with its
         depth (gathering the requests' inputs, the drafter's own bookkeeping): priced per depth alone, one
         EAGLE-3 depth read 2.0 ms where four cost 1.35 ms each, and deep drafts looked dearer than they are.
         Until the depths seen spread enough to fit the line, (0, the EMA per depth)."""
-        line = self._draft_line.get(method)
+        model = self.draft_fit.get(method)
+        line = model.fit() if model is not None else None
         return line if line is not None else (0.0, self.draft_step_s.get(method, 0.0))
 
     def observe_follow_up(self, method: str, seconds: float) -> None:
@@ -69,9 +67,7 @@ class DraftCosts:
         stash, a draft model its unseen tokens) in `seconds` (server/engine/catch_up.py): one forward, so
         fitted as c0 + c1 * rows like a step."""
         if rows > 0:
-            fit = self.catch_up.setdefault(method, StepCostModel())
-            fit.observe(rows, seconds)
-            _refit(self._catch_up_line, method, fit)
+            self.catch_up.setdefault(method, StepCostModel()).observe(rows, seconds)
 
     def catch_up_s(self, method: str, rows: int, steps: float = 1.0) -> float:
         """The price per step of catching a request up on `rows` rows, spread over `steps`: (c0 + c1 * rows)
@@ -79,7 +75,8 @@ class DraftCosts:
         costs) / steps."""
         if rows <= 0:
             return 0.0
-        fit = self._catch_up_line.get(method)
+        model = self.catch_up.get(method)
+        fit = model.fit() if model is not None else None
         whole = fit[0] + fit[1] * rows if fit is not None else self.draft_step_s.get(method, 0.0)
         return whole / max(steps, 1.0)
 
@@ -101,11 +98,3 @@ def _ema(table: dict[str, float], key: str, value: float) -> None:
     old = table.get(key)
     table[key] = value if old is None else 0.9 * old + 0.1 * value
 
-
-def _refit(lines: dict[str, tuple[float, float]], method: str, model: StepCostModel) -> None:
-    """Keep `method`'s current line (absent while the model cannot fit one)."""
-    line = model.fit()
-    if line is None:
-        lines.pop(method, None)
-    else:
-        lines[method] = line

@@ -22,20 +22,28 @@ PRIOR_SAMPLE_WEIGHT = 2.0  # steps' worth of evidence each start-up calibration 
 MIN_T1_RATIO = 1.0 / 64
 
 
+_STALE = object()
+
+
 class StepCostModel:
-    """Least-squares fit of step seconds against query tokens, exponentially forgetting old steps."""
+    """Least-squares fit of step seconds against query tokens, exponentially forgetting old steps.
+
+    fit() computes the line on its first read after a sample and keeps it until the next one: the goodput
+    policy and `auto` read it for every request and candidate of every step."""
 
     def __init__(self, decay: float = FIT_DECAY) -> None:
         self.decay = decay
         self.w = self.sn = self.snn = self.st = self.snt = 0.0
         self.steps = 0
         self.prior = (0.0, 0.0, 0.0, 0.0, 0.0)   # (w, sn, snn, st, snt) of the calibration; never decays
+        self._line: object = _STALE              # fit()'s last answer until observe / set_prior
 
     def set_prior(self, samples: list[tuple[int, float]], weight: float = PRIOR_SAMPLE_WEIGHT) -> None:
         """Fixed (num_tokens, seconds) samples, e.g. timed at start-up, each counting as `weight` steps."""
         self.prior = (weight * len(samples), weight * sum(n for n, _ in samples),
                       weight * sum(n * n for n, _ in samples), weight * sum(t for _, t in samples),
                       weight * sum(n * t for n, t in samples))
+        self._line = _STALE
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         d = self.decay
@@ -45,9 +53,15 @@ class StepCostModel:
         self.st = self.st * d + seconds
         self.snt = self.snt * d + num_tokens * seconds
         self.steps += 1
+        self._line = _STALE
 
     def fit(self) -> tuple[float, float] | None:
         """(t0, t1) seconds, or None while the data cannot separate them."""
+        if self._line is _STALE:
+            self._line = self._fit()
+        return self._line
+
+    def _fit(self) -> tuple[float, float] | None:
         pw, psn, psnn, pst, psnt = self.prior
         if self.steps + pw < MIN_FIT_STEPS:
             return None
