@@ -81,8 +81,9 @@ def configure_backend(name: str, device: torch.device | str = "cpu") -> str:
         raise ValueError(f"--attention-backend {name} does not run on {kind}; choose auto or one of {allowed}")
     if name == "paged" and paged_kernel.load() is None:
         raise RuntimeError(f"--attention-backend paged: the kernel does not build: {paged_kernel.load_error()}")
-    if name == "triton" and triton_attention.self_check(device) is not None:
-        raise RuntimeError(f"--attention-backend triton: {triton_attention.self_check(device)}")
+    problem = triton_attention.self_check(device) if name == "triton" else None
+    if problem is not None:
+        raise RuntimeError(f"--attention-backend triton: {problem}")
     if name == "flash" and not FLASH_ATTN_AVAILABLE:
         raise RuntimeError("--attention-backend flash: flash_attn is not importable (pip install 'specserve[gpu]')")
     _choice["requested"] = name

@@ -50,19 +50,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECSERVE_KERNEL_CACHE", Path.home() / ".cache" / "specserve" / "kernels"))
 
 
+def _cpuinfo() -> str | None:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
+    text = _cpuinfo() or ""
     return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
 def _cpu_signature() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    text = _cpuinfo()
+    if text is None:
         return platform.processor()
     lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(lines)))

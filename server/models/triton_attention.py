@@ -76,6 +76,7 @@ if triton is not None:
             dim_ok = dims < HEAD_DIM
             q = tl.load(q_ptr + (q_start + query)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                         mask=row_ok[:, None] & dim_ok[None, :], other=0.0)          # [BM, D]
+            q = q.to(tl.float32 if IEEE else k_ptr.dtype.element_ty)           # the dots' input dtype, once
             last = seq_len - q_len + tl.minimum((tile * BM + BM - 1) // GROUP, q_len - 1)
             hi = last + 1                                            # keys past the tile's last row are unseen
             lo = seq_len * 0
@@ -95,9 +96,9 @@ if triton is not None:
                 kv_mask = key_ok[:, None] & dim_ok[None, :]
                 k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)                # [BN, D]
                 if IEEE:
-                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                    s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
                 else:
-                    s = tl.dot(q.to(k.dtype), tl.trans(k))                           # [BM, BN] fp32
+                    s = tl.dot(q, tl.trans(k))                                       # [BM, BN] fp32
                 s = s * scale_log2
                 visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
                 if HAS_WINDOW:
