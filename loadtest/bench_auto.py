@@ -62,6 +62,7 @@ def batch1(eng: LLM, warm: Warm, work: list[tuple[list[int], str | None]], specs
     names = list(specs)
     secs, toks, acc, drafts, diff = ({n: 0.0 for n in names}, {n: 0 for n in names}, {n: 0 for n in names},
                                      {n: 0 for n in names}, {n: 0 for n in names})
+    mix: dict[str, int] = {}                     # auto: steps per method it chose
     for i, (prompt, scope) in enumerate(work * rounds):
         round_tag = f"{tag}-r{i // len(work)}"
         params = SamplingParams(temperature=temperature, max_tokens=new, ignore_eos=True,
@@ -77,12 +78,17 @@ def batch1(eng: LLM, warm: Warm, work: list[tuple[list[int], str | None]], specs
             toks[name] += len(out.token_ids)
             acc[name] += out.spec_stats.num_accepted_tokens
             drafts[name] += out.spec_stats.num_drafts
+            if name == "auto":
+                for method, row in out.spec_stats.by_method.items():
+                    mix[method] = mix.get(method, 0) + row[0]
         ref = outs["none"].token_ids
         for name in names:
             diff[name] += temperature == 0 and outs[name].token_ids != ref
     base = secs["none"] / max(toks["none"], 1)
-    return {n: {"tok_s": toks[n] / secs[n], "speedup": base / (secs[n] / max(toks[n], 1)),
-                "tau": 1 + acc[n] / drafts[n] if drafts[n] else 1.0, "greedy_diff": diff[n]} for n in names}
+    res = {n: {"tok_s": toks[n] / secs[n], "speedup": base / (secs[n] / max(toks[n], 1)),
+               "tau": 1 + acc[n] / drafts[n] if drafts[n] else 1.0, "greedy_diff": diff[n]} for n in names}
+    res["auto"]["mix"] = mix
+    return res
 
 
 def concurrent(eng: LLM, warm: Warm, work: list[tuple[list[int], str | None]], specs: dict[str, SpecParams],
@@ -167,8 +173,10 @@ def main(argv: list[str] | None = None) -> None:
             cells = " ".join(f"{res[n]['speedup']:5.2f}x/{res[n]['tau']:4.2f}" for n in specs)
             diffs = {n: r["greedy_diff"] for n, r in res.items() if r["greedy_diff"]}
             rel = res["auto"]["speedup"] / res[best]["speedup"]
+            mix = " ".join(f"{m} {n}" for m, n in sorted(res["auto"]["mix"].items(), key=lambda x: -x[1]))
             print(f"{name:16} {temperature:4.1f} {res['none']['tok_s']:6.1f} {cells}   {rel:5.2f} "
-                  f"({best}){'  greedy differs: ' + str(diffs) if diffs else ''}", flush=True)
+                  f"({best}){'  greedy differs: ' + str(diffs) if diffs else ''}  [auto's steps: {mix}]",
+                  flush=True)
     for name in [n for n in args.concurrent_sets.split(",") if n]:
         work = sets[name] * max(1, 16 // len(sets[name]))
         ratio = concurrent(eng, warm, work, {"none": specs["none"], "hybrid k=4": specs["hybrid k=4"],

@@ -8,7 +8,10 @@ then picks per request from those lengths and what the request and the server ha
 the engine's goodput policy (server/engine/spec_policy.py `choose_methods`: expected tokens per second,
 from the measured step cost and draft cost per depth, a model drafter's forward shared by the requests
 choosing it), else `longest_lookup`. Only the chosen model
-drafter runs; the lookups' drafts are reused.
+drafter runs; the lookups' drafts are reused. Of the model drafters a request uses one, the first it took
+(spec_policy.own_drafter): the server's histories say which drafter suits the target, a drafter with a
+short history rated at an upper confidence bound so that it gets tried; each step the request still
+chooses between that drafter, the lookups and none.
 
 Why it stays exact: the choice reads the context and past acceptance, never this step's target logits,
 and each method's drafts come with that method's own draft distribution.

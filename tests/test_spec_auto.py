@@ -188,6 +188,37 @@ def test_choice_follows_expected_tokens_per_second():
     assert AutoSpeculator({}).choose([request], [0]) == ["none"]
 
 
+
+
+def test_an_untried_drafter_is_explored_and_a_request_keeps_the_drafter_it_took():
+    """A drafter whose history is empty is rated at an upper confidence bound, so the server tries it; a
+    request then drafts with the model drafter it took (or a lookup, or none) and does not flip between
+    drafters on its own few noisy positions, unless its drafter accepts far less on it than another is
+    expected to or has collapsed."""
+    policy = GoodputPolicy()
+    for _ in range(300):
+        policy.observe_acceptance("eagle3", 4, 2, "sampled")      # 0.6 per position on the server
+    policy.draft_step_s.update(eagle3=0.002, draft=0.002)
+    request = SimpleNamespace(request_id="r", spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
+                              sampling_params=SamplingParams(temperature=0.8, max_tokens=64))
+    assert policy.request_alpha(request, "draft") == pytest.approx(acceptance.PRIOR_ALPHA)
+    assert policy.request_alpha(request, "draft", explore=True) > policy.request_alpha(request, "eagle3",
+                                                                                         explore=True)
+    lengths = {"eagle3": 4, "draft": 4, "ngram": 0}
+    assert policy.choose_method(request, 4, lengths) == "draft"                  # the untried one
+    rows = request.spec_stats.by_method
+    rows["draft"] = [6, 20, 5, 17]                                # it did poorly on this request
+    assert policy.request_alpha(request, "eagle3", explore=True) > policy.request_alpha(request, "draft")
+    assert policy.choose_method(request, 4, lengths) in ("draft", "none")         # no flip to eagle3
+    for _ in range(200):
+        policy.observe_acceptance("ngram", 4, 4, "sampled")
+    assert policy.choose_method(request, 4, {**lengths, "ngram": 4}) == "ngram"   # lookups stay open
+    rows["draft"] = [10, 40, 0, 30]                               # it does not suit this request at all
+    assert policy.choose_method(request, 4, lengths) == "eagle3"
+    rows["draft"] = [6, 20, 5, 17]
+    policy.is_collapsed = lambda method, band=None: method == "draft"
+    assert policy.choose_method(request, 4, lengths) == "eagle3"
+
 def test_over_http_the_response_shows_steps_per_chosen_method_and_metrics_label_them(client, http):
     from conftest import SERVED_NAME
 

@@ -84,7 +84,7 @@ def test_auto_rates_each_method_at_its_best_depth():
     p = fitted_policy()
     p.observe_propose("draft", 0.004, 1)
     alphas = {"draft": 0.85, "ngram": 0.62}
-    p.request_alpha = lambda request, method: alphas[method]
+    p.request_alpha = lambda request, method, explore=False: alphas[method]
     lengths = {"draft": 8, "ngram": 4}
 
     def rate(m, n):
@@ -118,7 +118,7 @@ def test_auto_prices_a_model_drafter_shared_by_the_batch_that_chooses_it():
     p = fitted_policy(t0, t1)
     p.observe_propose("eagle3", 0.0026, 1)
     alphas = {"eagle3": 0.7, "ngram": 0.45}
-    p.request_alpha = lambda request, method: alphas[method]
+    p.request_alpha = lambda request, method, explore=False: alphas[method]
     lengths = {"eagle3": 8, "ngram": 2}
     reqs = [seq(f"r{i}", 8).request for i in range(16)]
     assert p.choose_method(reqs[0], 8, lengths) == "ngram"
@@ -259,7 +259,7 @@ def test_auto_prices_catching_a_request_up_by_the_rows_it_skipped():
     p = fitted_policy()
     p.observe_propose("eagle3", 0.001, 1)
     alphas = {"eagle3": 0.8, "ngram": 0.6}
-    p.request_alpha = lambda request, method: alphas[method]
+    p.request_alpha = lambda request, method, explore=False: alphas[method]
     lengths = {"eagle3": 8, "ngram": 3}
     r = seq("r", 8).request                          # max_tokens 64, nothing generated yet
     assert p.choose_method(r, 8, lengths) == "eagle3"

@@ -79,6 +79,10 @@ class AcceptanceHistory:
         bands = BANDS if band is None else (band,)
         return any(now < self.collapsed_until.get((method, b), -1.0) for b in bands)
 
+    def attempted(self, method: str, band: str = "greedy") -> float:
+        """The (decayed) positions of evidence behind `method`'s history in `band`."""
+        return self.slow.get((method, band), (0.0, 0.0))[1]
+
     def drain_collapses(self) -> dict[str, int]:
         out, self.collapses = self.collapses, {}
         return out
