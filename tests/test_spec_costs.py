@@ -185,6 +185,22 @@ def test_a_heads_observe_after_drafting_is_part_of_the_first_depths_price():
     assert all(s.num_draft_slots == 0 for s in again)
 
 
+
+def test_a_cold_first_follow_up_is_forgotten_within_a_few_steps():
+    """A head's first observe (warm-up, or a catch-up folded into it) can cost 3x its steady price; the
+    estimate falls to the steady price in a few samples instead of pricing the head out for good."""
+    p = GoodputPolicy()
+    p.observe_follow_up("eagle3", 0.0035)
+    for _ in range(4):
+        p.observe_follow_up("eagle3", 0.0011)
+    assert p.follow_up_s["eagle3"] < 0.0013
+    for _ in range(3):
+        p.observe_follow_up("eagle3", 0.05)                          # outliers above it move it little
+    assert p.follow_up_s["eagle3"] < 0.0025
+    for _ in range(60):
+        p.observe_follow_up("eagle3", 0.003)                         # a real rise is followed
+    assert p.follow_up_s["eagle3"] > 0.0028
+
 def test_a_cut_auto_request_rests_from_its_lookups_only_in_a_crowded_step():
     """Lookups of 0.4 ms a request are ~5 % of a lone request's step and ~50 % of its share of a 16-sequence
     step: only there does a request that drafted nothing skip them, and it still re-chooses every
