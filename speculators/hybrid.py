@@ -38,6 +38,7 @@ class HybridSpeculator(Speculator):
         self.fallback = fallback
         self.fallback_name = fallback_name
         self.drafted_by = {"ngram": 0, fallback_name: 0}          # requests-steps each source drafted
+        self.source: dict[str, str] = {}       # request id -> the source of its drafts this step
 
     @classmethod
     def build(cls, ctx: BuildContext) -> HybridSpeculator | None:
@@ -58,6 +59,8 @@ class HybridSpeculator(Speculator):
         token_ids, probs = list(found.token_ids), list(found.draft_probs)
         rest = [i for i, d in enumerate(token_ids) if not d]
         self.drafted_by["ngram"] += len(requests) - len(rest)
+        for r, d in zip(requests, token_ids):
+            self.source[r.request_id] = "ngram" if d else self.fallback_name
         if rest:
             drafted = self.fallback.propose([requests[i] for i in rest], [ks[i] for i in rest])
             for j, i in enumerate(rest):
@@ -69,6 +72,7 @@ class HybridSpeculator(Speculator):
         self.fallback.observe(step)
 
     def release(self, request: SpecRequest) -> None:
+        self.source.pop(request.request_id, None)
         self.lookup.release(request)
         self.fallback.release(request)
 

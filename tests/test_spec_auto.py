@@ -124,6 +124,20 @@ def test_auto_picks_the_drafter_that_drafts_well(dirs):
         assert "oracle" in steps.members and "garbage" in steps.members
 
 
+
+def test_the_hybrids_model_drafts_are_booked_under_its_drafter_too(dirs):
+    """`auto` rates a drafter by the server's history of it; under the default method (the hybrid) that
+    drafter's acceptance is booked under `hybrid` and under the drafter's own name."""
+    engine = make_engine(dirs["target"], draft_model=str(dirs["draft"]))
+    learner = engine.engine.spec.learner
+    assert learner.history.attempted("draft") == 0
+    engine.generate(encode(engine), PLAIN, SpecParams("hybrid", 4))
+    hybrid = engine.engine.spec.speculators["hybrid"]
+    assert hybrid.fallback_name == "draft" and hybrid.drafted_by["draft"] > 0
+    assert 0 < learner.history.attempted("draft") <= learner.history.attempted("hybrid")
+    assert not hybrid.source                                        # forgotten with the requests
+    assert_no_leaks(engine)
+
 def test_a_collapsing_drafter_is_reported_once_and_auto_stops_choosing_it(dirs, caplog):
     with registry.registered(method("turncoat", TurncoatSpeculator)):
         engine = make_engine(dirs["target"], suffix_scope="request", speculation_policy="fixed")
