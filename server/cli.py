@@ -117,6 +117,11 @@ def _speculation_flags(p: argparse.ArgumentParser) -> None:
                         "tokens/s given the request's acceptance so far and the batch's measured step cost "
                         "(never for seeded sampled requests; a request opts out with \"adaptive\": false; "
                         "every cut is counted). fixed: always draft the k asked for (default: %(default)s)")
+    g.add_argument("--speculation-probe-tokens", type=int, default=e.speculation_probe_tokens, metavar="N",
+                   help="at start-up, each loaded model drafter drafts N new tokens on built-in code and "
+                        "prose, greedy and sampled, so `auto` starts from measured acceptance and the "
+                        "drafters' first, slowest calls are paid before traffic; 0 = no probe "
+                        "(default: %(default)s)")
     g.add_argument("--draft-tree-top-k", type=int, default=e.draft_tree_top_k, metavar="K",
                    help="default draft tree branching for tree-drafting methods (eagle3) when a request "
                         "names no draft_tree: each depth keeps the K best nodes; 1 = chains "

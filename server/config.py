@@ -19,6 +19,7 @@ KV_CACHE_DTYPES = DTYPES             # auto = the model dtype where attention is
 SPECULATION_POLICIES = ("goodput", "fixed")
 METRICS_COMPAT = ("none", "vllm")        # server/metrics.py: which other names /metrics carries
 SUFFIX_SCOPES = ("request", "user", "global")
+MAX_PROBE_TOKENS = 512                   # --speculation-probe-tokens
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")   # server/api/tool_parsers.py
 
 
@@ -41,6 +42,9 @@ class EngineConfig:
     # (registry.default_speculation: hybrid when a model drafter is loaded, else ngram; k = 4)
     speculation: SpecParams | None = None
     speculation_policy: str = "goodput"    # goodput = draft only the positions that raise tokens/s; fixed = all k
+    # start-up acceptance probe: new tokens each model drafter drafts on built-in texts before the first
+    # request (server/engine/spec_probe.py); 0 = none
+    speculation_probe_tokens: int = 32
     # the draft tree of requests (of a tree-drafting method) that name none: top_k 1 = chains
     draft_tree_top_k: int = 1
     draft_tree_depth: int = 4
@@ -97,6 +101,9 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.compile:
             raise ValueError("--compile does not support --tensor-parallel-size > 1 (the collectives of a "
                              "sharded forward are not traced); start without one of them")
+        if not 0 <= self.speculation_probe_tokens <= MAX_PROBE_TOKENS:
+            raise ValueError(f"speculation_probe_tokens must be in [0, {MAX_PROBE_TOKENS}], "
+                             f"got {self.speculation_probe_tokens}")
         if not 0 <= self.suffix_cache_tokens <= 1 << 30:
             raise ValueError(f"suffix_cache_tokens must be in [0, 2^30], got {self.suffix_cache_tokens}")
         if self.suffix_scope not in SUFFIX_SCOPES:

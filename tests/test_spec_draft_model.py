@@ -105,8 +105,10 @@ def write_llama(out: Path, seed: int, **overrides) -> Path:
 
 
 def make_engine(model_dir, kv_gb: float = 0.004, **kw) -> OfflineEngine:
-    """An engine drafting every k asked for (policy fixed unless kw says otherwise): these tests count drafts."""
+    """An engine drafting every k asked for (policy fixed unless kw says otherwise) and without the start-up
+    probe (unless kw asks for it): these tests count drafts, catch-ups and what the histories saw."""
     kw.setdefault("speculation_policy", "fixed")
+    kw.setdefault("speculation_probe_tokens", 0)
     cfg = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", num_threads=1,
                        kv_cache_memory_gb=kv_gb, **kw)
     return OfflineEngine.from_config(cfg)

@@ -79,6 +79,17 @@ class AcceptanceHistory:
         bands = BANDS if band is None else (band,)
         return any(now < self.collapsed_until.get((method, b), -1.0) for b in bands)
 
+    def cap(self, method: str, band: str, positions: float) -> None:
+        """Scale (method, band)'s counts down to at most `positions` attempted positions, its acceptance
+        kept: evidence that should rank the methods but weigh no more than a few steps (the start-up
+        probe's, server/engine/spec_probe.py). The short-memory counts are cleared: the collapse signal
+        compares real traffic with real traffic."""
+        acc = self.slow.get((method, band))
+        if acc is not None and acc[1] > positions:
+            scale = positions / acc[1]
+            acc[0], acc[1] = acc[0] * scale, positions
+        self.fast.pop((method, band), None)
+
     def attempted(self, method: str, band: str = "greedy") -> float:
         """The (decayed) positions of evidence behind `method`'s history in `band`."""
         return self.slow.get((method, band), (0.0, 0.0))[1]

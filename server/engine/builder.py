@@ -16,6 +16,7 @@ from specserve.server.engine.model_runner import ModelRunner
 from specserve.server.engine.scheduler import Scheduler
 from specserve.server.engine.spec_dispatch import SpecDispatcher
 from specserve.server.engine.spec_policy import calibrated_policy
+from specserve.server.engine.spec_probe import probe_drafters
 from specserve.server.engine.tokenizer import Tokenizer
 from specserve.server.kv.block_manager import BlockManager
 from specserve.server.kv.kv_cache import cache_dtype, configure_kv_cache_dtype, kv_cache_bytes_per_block
@@ -168,7 +169,9 @@ def _assemble(cfg: EngineConfig, model, mcfg, name: str, model_dir: Path | None,
     if cfg.speculation_policy == "goodput":     # timed with the aux taps on, before any request exists
         spec.policy = calibrated_policy(runner, cfg.max_num_seqs)
     grammars = build_grammar_compiler(cfg, tok_dir, mcfg.vocab_size, tokenizer.eos_token_ids)
-    return Engine(runner, sched, tokenizer, sampler, spec, max_len, grammars), cfg.served_model_name or name
+    engine = Engine(runner, sched, tokenizer, sampler, spec, max_len, grammars)
+    probe_drafters(engine, cfg.speculation_probe_tokens)
+    return engine, cfg.served_model_name or name
 
 
 def build_grammar_compiler(cfg: EngineConfig, tok_dir: str | Path, vocab_size: int,
