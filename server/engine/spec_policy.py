@@ -188,8 +188,8 @@ class GoodputPolicy(DraftCosts):
         num_seqs = max(num_seqs or len(requests), 1)
         base = (t0 + t1 * num_seqs) / num_seqs - t1        # base + t1 (1 + L): the request's share
         first = [self.choose_method(r, k, n, base, len(requests), behind) for r, k, n in zip(requests, ks, lengths)]
-        if len(requests) == 1:          # the second pass would price it alone again
-            return first
+        if len(requests) == 1 or all(m in LOOKUPS or m == "none" for m in first):
+            return first            # the second pass only re-prices model drafters, none of them chosen
         groups = Counter(first)
         return [self.choose_method(r, k, n, base, {m: groups[m] + (m != mine) for m in n}, behind)
                 for r, k, n, mine in zip(requests, ks, lengths, first)]
