@@ -211,7 +211,8 @@ class GoodputPolicy(DraftCosts):
         measured cost (catch_up_s) joins the step's cost, spread over the steps the request has left
         (steps_left: a catch-up serves every later step; a request near its end does not switch). A
         request that drafted nothing for PROBE_EVERY - 1 steps takes the best candidate even when none
-        rates higher. The choice reads the context and past acceptance only, never this step's target,
+        rates higher. Of the model drafters, only the request's own (kept_drafter) is a candidate once it
+        has drafted with one. The choice reads the context and past acceptance only, never this step's target,
         and no request's text depends on it: greedy and seeded (coupled) sampling emit the same tokens
         whatever the drafts, unseeded sampling keeps the target's distribution.
         """
@@ -224,7 +225,7 @@ class GoodputPolicy(DraftCosts):
         drafter = self.kept_drafter(request, lengths)
         for method, n in lengths.items():
             n = min(n, k)
-            if n <= 0 or self.is_collapsed(method, band) or method not in LOOKUPS and drafter not in (None, method):
+            if n <= 0 or self.is_collapsed(method, band) or (method not in LOOKUPS and drafter not in (None, method)):
                 continue
             share = sharing.get(method, 1) if isinstance(sharing, dict) else (sharing or 1)
             share = max(share, 1)
