@@ -265,3 +265,7 @@ class Speculator:
     def drain_refusals(self) -> dict[str, int]:
         """reason -> count of what it could not do since the last call (spec_decode_refused_total)."""
         return {}
+
+    def calibrate_trees(self, acceptance: float) -> None:
+        """The server's greedy acceptance per position for this method: a tree-drafting model drafter fits
+        its greedy nodes' score to it (speculators/tree_calibration.py); others ignore it."""

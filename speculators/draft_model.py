@@ -149,6 +149,9 @@ class DraftModelSpeculator(Speculator):
 
     # observe: the default no-op; the draft model reads tokens, not target states (catch-up is in propose)
 
+    def calibrate_trees(self, acceptance: float) -> None:
+        self.trees.calibration.set_target(acceptance)
+
     def release(self, request: SpecRequest) -> None:
         state = self._states.pop(request.request_id, None)
         if state is not None:

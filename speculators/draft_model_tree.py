@@ -43,6 +43,7 @@ from specserve.speculators.draft_tree import (
     best_nodes,
     children_of_rows,
 )
+from specserve.speculators.tree_calibration import ScoreCalibration
 
 
 @dataclass
@@ -69,6 +70,7 @@ class DraftModelTreeBuilder:
 
     def __init__(self, drafter) -> None:
         self.d = drafter
+        self.calibration = ScoreCalibration()   # greedy nodes' scores (speculators/tree_calibration.py)
         self.build_seconds = 0.0         # time spent building trees (the benchmark reports it per step)
         self.num_built = 0               # trees built (requests x steps)
         self.num_calls = 0               # propose calls that built >= 1 tree
@@ -83,7 +85,8 @@ class DraftModelTreeBuilder:
         """items: the draft model's _Live entries (request, state, k) of tree requests, their context computed
         and their KV reserved to kv_end -> per item its tree."""
         grow: list[_Tree] = []
-        for item, kids in zip(items, children_of_rows(logits, [(item.request, 1) for item in items], 0)):
+        for item, kids in zip(items, children_of_rows(logits, [(item.request, 1) for item in items], 0,
+                                                      self.calibration)):
             g = _Tree(item.request.spec_params.draft_tree, item.request, item.request.num_tokens,
                       item.state.kv.block_ids, [], [])
             g.frontier = add_children(g.cands, -1, kids, 1)
@@ -114,7 +117,7 @@ class DraftModelTreeBuilder:
         # RoPE at the node's place in the text; the keys (slots, causality) stay the metadata's
         attn.positions = torch.tensor(positions, dtype=torch.long, device=attn.positions.device)   # [rows]
         logits = d.logits_of_rows(tokens, attn)                                       # [rows, V]
-        kids = iter(children_of_rows(logits, [(g.request, len(g.frontier)) for g in work], s))
+        kids = iter(children_of_rows(logits, [(g.request, len(g.frontier)) for g in work], s, self.calibration))
         for g in work:
             children: list[int] = []
             for c in g.frontier:

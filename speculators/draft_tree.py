@@ -33,6 +33,7 @@ import torch
 from specserve.server.models.attention import build_attention_metadata
 from specserve.server.models.tree_attention import restrict_rows
 from specserve.speculators.base import DraftTree
+from specserve.speculators.tree_calibration import ScoreCalibration
 from specserve.speculators.tree_children import Children, draw_children
 from specserve.speculators.tree_shape import as_tree, check_tree
 
@@ -71,14 +72,14 @@ def add_children(cands: list[Candidate], parent: int, kids: Children, depth: int
 
 
 def children_of_rows(logits: torch.Tensor,   # [rows, V] drafter logits: each work item's rows in turn
-                     work: Sequence[tuple], s: int) -> list[Children]:
+                     work: Sequence[tuple], s: int, calibration: ScoreCalibration | None = None) -> list[Children]:
     """Per row the children of its node at depth s (0: the root). work: (request, rows) pairs."""
     params, positions, top_ks = [], [], []
     for request, rows in work:
         params += [request.sampling_params] * rows
         positions += [request.num_tokens + s] * rows           # the children's absolute position
         top_ks += [request.spec_params.draft_tree.top_k] * rows
-    return draw_children(logits, params, positions, top_ks)
+    return draw_children(logits, params, positions, top_ks, calibration)
 
 
 @dataclass
@@ -101,6 +102,7 @@ class HeadTreeBuilder:
 
     def __init__(self, drafter) -> None:
         self.d = drafter
+        self.calibration = ScoreCalibration()   # greedy nodes' scores (speculators/tree_calibration.py)
         self.build_seconds = 0.0         # time spent building trees (the benchmark reports it per step)
         self.num_built = 0               # trees built (requests x steps)
         self.num_calls = 0               # propose calls that built >= 1 tree
@@ -115,7 +117,8 @@ class HeadTreeBuilder:
         kv_end -> per item its tree."""
         grow: list[_Growing] = []
         first = torch.cat([item.seq.carry[0][-1:] for item in items])               # [a, H] = g^0_{N-2}
-        kids = children_of_rows(self.d.head.logits(0, first), [(item.request, 1) for item in items], 0)
+        kids = children_of_rows(self.d.head.logits(0, first), [(item.request, 1) for item in items], 0,
+                                self.calibration)
         for item, row, node_kids in zip(items, first, kids):
             g = _Growing(item.request.spec_params.draft_tree, item.request.num_tokens - 1, item.seq.kv.start,
                          [], [], {}, {})
@@ -150,7 +153,8 @@ class HeadTreeBuilder:
                            torch.tensor(positions, dtype=torch.long, device=d.device),
                            max(positions) + 1, attn, d.cache.caches[0])              # [rows, H]
         logits = d.head.logits(0, out)                                                # [rows, V]
-        kids = iter(children_of_rows(logits, [(item.request, len(g.frontier)) for item, g in work], s))
+        kids = iter(children_of_rows(logits, [(item.request, len(g.frontier)) for item, g in work], s,
+                                     self.calibration))
         row = 0
         for _, g in work:
             children: list[int] = []

@@ -61,6 +61,9 @@ class HeadSpeculator(Speculator):
     def release(self, request: SpecRequest) -> None:
         self.drafter.release(request)
 
+    def calibrate_trees(self, acceptance: float) -> None:
+        self.drafter.trees.calibration.set_target(acceptance)
+
     def drain_refusals(self) -> dict[str, int]:
         out = dict(self.drafter.refusals)
         self.drafter.refusals.clear()

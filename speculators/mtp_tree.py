@@ -83,7 +83,8 @@ class LayeredTreeBuilder(HeadTreeBuilder):
         kv_end -> per item its tree."""
         n = self.d.n
         first = torch.cat([item.seq.carry[0][-1:] for item in items])               # [a, H] = g^0_{N-2}
-        kids = children_of_rows(self.d.head.logits(0, first), [(item.request, 1) for item in items], 0)
+        kids = children_of_rows(self.d.head.logits(0, first), [(item.request, 1) for item in items], 0,
+                                self.calibration)
         grow: list[_Tree] = []
         for item, node_kids in zip(items, kids):
             g = _Tree(item.request.spec_params.draft_tree, item.request, item.seq, item.request.num_tokens, [], [],
@@ -106,7 +107,8 @@ class LayeredTreeBuilder(HeadTreeBuilder):
             self._forward(m, [(g, nodes[:SHORT_QUERY_MAX]) for g, nodes in todo if nodes])
             todo = [(g, nodes[SHORT_QUERY_MAX:]) for g, nodes in todo]
         states = torch.stack([g.out[m][c] for g in work for c in g.frontier])         # [rows, H]
-        kids = iter(children_of_rows(self.d.head.logits(m, states), [(g.request, len(g.frontier)) for g in work], s))
+        kids = iter(children_of_rows(self.d.head.logits(m, states), [(g.request, len(g.frontier)) for g in work], s,
+                                     self.calibration))
         for g in work:
             children: list[int] = []
             for c in g.frontier:

@@ -2,8 +2,9 @@
 the node's K children, in the order the verifier tries them, each with a score, and the distribution q
 they were drawn from.
 
-- greedy requests: the K most probable tokens, scored by log q (EAGLE-2; a path's score is their sum), no q:
-  the verifier follows the target's argmax and needs none;
+- greedy requests: the K most probable tokens, scored by log q (EAGLE-2; a path's score is their sum) at the
+  drafter's calibrated temperature (speculators/tree_calibration.py), no q: the verifier follows the target's
+  argmax and needs none;
 - seeded requests: the K best of log q + g, g the coupled Gumbel noise of the children's absolute position
   (sampling/coupled.py) and q the drafter's distribution at the request's temperature and truncation
   (speculators/draft_sampling.py): the first child is exactly the chain's coupled draft there. The text
@@ -35,6 +36,7 @@ from specserve.sampling import coupled
 from specserve.sampling.params import SamplingParams
 from specserve.sampling.rng import inverse_cdf
 from specserve.speculators.draft_sampling import drafter_probs
+from specserve.speculators.tree_calibration import ScoreCalibration
 
 
 @dataclass
@@ -57,12 +59,19 @@ def draw_children(logits: torch.Tensor,                 # [r, vocab] float32 dra
                   params: Sequence[SamplingParams],     # [r] the row's request's
                   positions: Sequence[int],             # [r] absolute position of the row's children
                   top_ks: Sequence[int],                # [r] children per node
+                  calibration: ScoreCalibration | None = None,
                   ) -> list[Children]:
-    """Per row its node's children (the module docstring)."""
+    """Per row its node's children (the module docstring). calibration: the drafter's greedy score
+    (speculators/tree_calibration.py); None: log q."""
     out: list[Children | None] = [None] * logits.shape[0]
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        logprobs = logits.log_softmax(dim=-1)                                    # [r, vocab]
+        if calibration is None:
+            logprobs = logits.log_softmax(dim=-1)                                # [r, vocab]
+        else:
+            rows = torch.tensor(greedy, dtype=torch.long, device=logits.device)
+            logprobs = torch.empty_like(logits)
+            logprobs[rows] = calibration.log_probs(logits.index_select(0, rows))
         for i in greedy:
             found = top_children(logprobs[i], top_ks[i])
             out[i] = Children([t for t, _ in found], [v for _, v in found], None)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_draft_tree import fresh_build_mismatches
+from test_draft_tree import fresh_build_mismatches, frozen_tree_scores
 from test_spec_draft_model import (
     BASE,
     GREEDY,
@@ -142,6 +142,7 @@ def score_errors(hf, context: list[int], cands: list) -> list[float]:
 def test_every_node_scores_its_paths_reference_log_probs(dirs, engine, spec, monkeypatch):
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(dirs["draft"]).float().eval()
+    frozen_tree_scores(engine, monkeypatch)
     log = record_trees(engine, monkeypatch)
     engine.generate(encode(engine)[1:2], SamplingParams(**GREEDY, max_tokens=12), spec)
     assert len(log) >= 3

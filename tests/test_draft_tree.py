@@ -10,6 +10,7 @@ from test_spec_eagle3 import eagle_weights, write_eagle_original, write_target
 from specserve.sampling.params import SamplingParams
 from specserve.server.config import parse_speculation
 from specserve.speculators.base import DraftTree, SpecParams
+from specserve.speculators.tree_calibration import ScoreCalibration
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -78,10 +79,21 @@ def moved_rows(monkeypatch) -> list[int]:
     return moved
 
 
+def frozen_tree_scores(eng, monkeypatch) -> None:
+    """Greedy node scores stay log q (T = 1, speculators/tree_calibration.py) while a test compares them
+    with a reference or across builds."""
+    monkeypatch.setattr(ScoreCalibration, "set_target", lambda self, acceptance: None)
+    for spec in eng.engine.spec.speculators.values():
+        trees = getattr(getattr(spec, "drafter", spec), "trees", None)
+        if trees is not None:
+            monkeypatch.setattr(trees.calibration, "temperature", 1.0)
+
+
 def fresh_build_mismatches(eng, monkeypatch, record_trees, spec: SpecParams, max_tokens: int) -> tuple[int, int]:
     """A tree run's builds after its first, each against the first build of a new request whose prompt is
     that context minus its last token (a drafter that never saw any tree) -> (mismatching builds, moved rows).
     record_trees(eng, monkeypatch) -> the list it fills with (context, candidates) per build."""
+    frozen_tree_scores(eng, monkeypatch)
     moved = moved_rows(monkeypatch)
     log = record_trees(eng, monkeypatch)
     eng.generate(encode(eng)[:1], SamplingParams(**GREEDY, max_tokens=max_tokens), spec)

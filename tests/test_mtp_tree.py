@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from test_draft_tree import fresh_build_mismatches
+from test_draft_tree import fresh_build_mismatches, frozen_tree_scores
 from test_spec_draft_model import (
     BASE,
     GREEDY,
@@ -138,6 +138,7 @@ def score_errors(target_dir, name: str, context: list[int], cands: list) -> list
 
 def tree_score_errors(dirs, engines, name: str, monkeypatch, spec: SpecParams, builds: int = 3) -> list[float]:
     eng = engines[name]
+    frozen_tree_scores(eng, monkeypatch)
     log = record_trees(eng, monkeypatch)
     eng.generate(encode(eng)[1:2], SamplingParams(**GREEDY, max_tokens=4 * builds), spec)
     assert len(log) >= builds

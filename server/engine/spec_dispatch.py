@@ -33,6 +33,11 @@ from specserve.speculators import registry
 from specserve.speculators.base import Speculator, VerifiedStep, count_accepted_positions
 from specserve.speculators.tree_shape import check_tree
 
+# Every CALIBRATE_EVERY steps, each method with at least CALIBRATION_EVIDENCE positions of greedy history
+# hands it to its drafter's tree score (Speculator.calibrate_trees)
+CALIBRATE_EVERY = 64
+CALIBRATION_EVIDENCE = 20.0
+
 
 def drafts_per_depth(method: str) -> bool:
     """Whether a method's drafting costs a forward per draft position (a model drafter, or the hybrid,
@@ -59,6 +64,7 @@ class SpecDispatcher:
         self._chosen: dict[str, str] = {}             # auto request id -> its method this step
         self._previous: dict[str, str] = {}           # auto request id -> its method the step before
         self.ledger = CatchUpLedger()                 # rows each model drafter is behind on each auto request
+        self._updates = 0                             # steps booked (update calls): trees recalibrate every few
         self._drafted_methods: set[str] = set()       # methods (auto's members too) that drafted this step
         # per seq of the last propose: a draft tree's parents (speculators/draft_tree.py), or None (a chain)
         self.tree_parents: list[list[int] | None] = []
@@ -162,6 +168,14 @@ class SpecDispatcher:
             self._chosen[seqs[i].request.request_id] = methods[i]
         return methods
 
+    def _calibrate_trees(self) -> None:
+        """Hand each method its greedy acceptance per position, once the server has seen enough of it: a
+        tree-drafting drafter scores its greedy nodes by it (speculators/tree_calibration.py)."""
+        history = self.learner.history
+        for name, spec in self.speculators.items():
+            if history.attempted(name, "greedy") >= CALIBRATION_EVIDENCE:
+                spec.calibrate_trees(self.learner.alpha(name, 0, 0, "greedy"))
+
     def _hybrid_drafter(self, method: str, request) -> str | None:
         """The model drafter whose drafts a hybrid request verified this step (None: its lookup's, or not
         a hybrid request). The server's default is the hybrid, so most of what its drafter accepts is
@@ -199,6 +213,9 @@ class SpecDispatcher:
 
         requests/sampled/drafts are aligned: the requests that sampled this step.
         """
+        self._updates += 1
+        if self._updates % CALIBRATE_EVERY == 0:
+            self._calibrate_trees()
         for req, out, d in zip(requests, sampled, drafts):
             method = self._chosen.get(req.request_id, req.spec_params.method)
             req.spec_stats.record(len(d), out.num_accepted)
