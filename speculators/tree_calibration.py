@@ -38,11 +38,14 @@ class ScoreCalibration:
         self.temperature = 1.0
         self.target: float | None = None
         self._rows: deque[torch.Tensor] = deque(maxlen=KEEP_ROWS)
+        self._stale = False              # a target came that T was not fitted to (too few rows then)
 
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[r, vocab] drafter logits -> [r, vocab] the children's scores (log-probabilities at T); the rows
-        join the sample T is fitted on."""
+        join the sample T is fitted on (at once, the first time there are enough for a pending target)."""
         self._rows.extend(logits.detach().float().topk(min(MAX_LOGITS, logits.shape[-1]), dim=-1).values)
+        if self._stale and len(self._rows) >= SAMPLE_ROWS:
+            self.set_target(self.target)
         if self.temperature == 1.0:
             return logits.log_softmax(dim=-1)
         return (logits / self.temperature).log_softmax(dim=-1)
@@ -50,7 +53,8 @@ class ScoreCalibration:
     def set_target(self, acceptance: float) -> None:
         """The drafter's greedy acceptance per position (0..1): refit T on the rows kept."""
         self.target = min(max(acceptance, 0.01), 0.99)
-        if len(self._rows) >= SAMPLE_ROWS:
+        self._stale = len(self._rows) < SAMPLE_ROWS
+        if not self._stale:
             self.temperature = fit_temperature(torch.stack(list(self._rows)), self.target)
 
 

@@ -21,8 +21,7 @@ def test_it_scores_by_log_q_until_it_has_a_target_and_rows_then_fits_the_first_c
     assert torch.equal(cal.log_probs(logits[:4]), logits[:4].log_softmax(dim=-1))       # EAGLE-2's score
     cal.set_target(0.9)
     assert cal.temperature == 1.0                         # 4 rows: too few to fit on
-    cal.log_probs(logits[4:])
-    cal.set_target(0.9)
+    cal.log_probs(logits[4:])                             # enough now: fitted at once to the pending target
     rows = logits.topk(50, dim=-1).values
     assert first_choice(rows, 1.0) < 0.5 and cal.temperature < 1.0     # under-confident rows: sharpened
     assert first_choice(rows, cal.temperature) == pytest.approx(0.9, abs=1e-3)

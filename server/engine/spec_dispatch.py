@@ -34,9 +34,10 @@ from specserve.speculators.base import Speculator, VerifiedStep, count_accepted_
 from specserve.speculators.tree_shape import check_tree
 
 # Every CALIBRATE_EVERY steps, each method with at least CALIBRATION_EVIDENCE positions of greedy history
-# hands it to its drafter's tree score (Speculator.calibrate_trees)
-CALIBRATE_EVERY = 64
-CALIBRATION_EVIDENCE = 20.0
+# hands it to its drafter's tree score (Speculator.calibrate_trees); the start-up probe's 12 count
+# (spec_probe.PRIOR_POSITIONS)
+CALIBRATE_EVERY = 16
+CALIBRATION_EVIDENCE = 12.0
 
 
 def drafts_per_depth(method: str) -> bool:
