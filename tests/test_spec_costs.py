@@ -67,15 +67,28 @@ def test_greedy_and_sampled_acceptance_are_kept_apart():
     collapse, and a greedy request's prior does not come from sampled ones."""
     p = GoodputPolicy()
     for _ in range(200):
-        p.observe_acceptance("ngram", 4, 4, "greedy")
+        p.observe_acceptance("eagle3", 4, 4, "greedy")
     for _ in range(200):
-        p.observe_acceptance("ngram", 4, 0, "sampled")
-    assert p.alpha("ngram", 0, 0, "greedy") > 0.99 and p.alpha("ngram", 0, 0, "sampled") < 0.02
-    assert p.drain_collapses() == {} and not p.is_collapsed("ngram")
+        p.observe_acceptance("eagle3", 4, 0, "sampled")
+    assert p.alpha("eagle3", 0, 0, "greedy") > 0.99 and p.alpha("eagle3", 0, 0, "sampled") < 0.02
+    assert p.drain_collapses() == {} and not p.is_collapsed("eagle3")
     for _ in range(200):
-        p.observe_acceptance("ngram", 4, 0, "greedy")               # the same fall within one band
-    assert p.drain_collapses() == {"ngram": 1}
-    assert p.is_collapsed("ngram", "greedy") and not p.is_collapsed("ngram", "sampled")
+        p.observe_acceptance("eagle3", 4, 0, "greedy")              # the same fall within one band
+    assert p.drain_collapses() == {"eagle3": 1}
+    assert p.is_collapsed("eagle3", "greedy") and not p.is_collapsed("eagle3", "sampled")
+
+
+def test_a_lookups_acceptance_falling_with_its_text_is_no_collapse():
+    """n-gram and suffix accept what the text repeats: a move from repeated to fresh prompts is no broken
+    drafter, so it is not reported and `auto` keeps choosing them (the hybrid and prediction likewise)."""
+    p = GoodputPolicy()
+    for method in ("ngram", "suffix", "hybrid", "prediction", "draft"):
+        for _ in range(200):
+            p.observe_acceptance(method, 4, 4, "greedy")
+        for _ in range(200):
+            p.observe_acceptance(method, 4, 0, "greedy")
+    assert p.drain_collapses() == {"draft": 1}
+    assert not any(p.is_collapsed(m) for m in ("ngram", "suffix", "hybrid", "prediction"))
 
 
 def test_auto_rates_each_method_at_its_best_depth():

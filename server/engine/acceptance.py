@@ -9,7 +9,8 @@ ones plus the first rejected one), the acceptance at a position given the earlie
 Collapse: a (method, band) whose recent acceptance (FAST_DECAY, about the last 30 verifications) falls
 below COLLAPSE_RATIO x its longer history (METHOD_DECAY) is reported once per COLLAPSE_WINDOW_S (a
 warning and spec_decode_acceptance_collapse_total{method}) and not chosen by `auto` for that window; it
-needs COLLAPSE_MIN_ATTEMPTED positions of evidence in both.
+needs COLLAPSE_MIN_ATTEMPTED positions of evidence in both. Watched: the model drafters, whose acceptance
+falls when they stop matching the target; a context lookup's follows the text it is given.
 """
 from __future__ import annotations
 
@@ -46,7 +47,12 @@ class AcceptanceHistory:
         self.collapsed_until: dict[tuple[str, str], float] = {}   # (method, band) -> end of its window
         self.collapses: dict[str, int] = {}                       # method -> reports not yet drained
 
-    def observe(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy") -> None:
+    def observe(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy",
+                watch: bool = True) -> None:
+        """watch: whether a fall of this method's acceptance is a collapse (not for context lookups, whose
+        acceptance follows the text: a move from repeated to fresh prompts took n-gram from 0.57 to 0.17,
+        was reported as a drafter that no longer matches the target, and kept `auto` off n-gram for a
+        window)."""
         if num_draft <= 0:
             return
         key = (method, band)
@@ -58,8 +64,8 @@ class AcceptanceHistory:
         fast = self.fast.setdefault(key, [0.0, 0.0])
         fast[0] = fast[0] * FAST_DECAY + num_accepted
         fast[1] = fast[1] * FAST_DECAY + attempted
-        if (baseline is not None and baseline >= COLLAPSE_MIN_BASELINE and fast[1] >= COLLAPSE_MIN_ATTEMPTED
-                and fast[0] / fast[1] < COLLAPSE_RATIO * baseline):
+        if (watch and baseline is not None and baseline >= COLLAPSE_MIN_BASELINE
+                and fast[1] >= COLLAPSE_MIN_ATTEMPTED and fast[0] / fast[1] < COLLAPSE_RATIO * baseline):
             self._collapse(key, fast[0] / fast[1], baseline)
 
     def _collapse(self, key: tuple[str, str], recent: float, baseline: float) -> None:

@@ -81,6 +81,8 @@ PROBE_EVERY = 8
 REST_SHARE = 0.10
 RECHOOSE_EVERY = 4
 _DRY_KEEP = 256           # requests the dry-step table keeps beyond those in the current step
+# methods whose acceptance follows the text, not the target: no collapse signal (acceptance.py)
+UNWATCHED = (*LOOKUPS, "hybrid", "prediction")
 EXPLORE_Z = 1.0           # `auto`: standard errors of a method's history added to rate one not yet tried
 ABANDON_RATIO = 0.5       # `auto`: a request leaves its drafter when it accepts less than this x another's
 
@@ -105,7 +107,7 @@ class GoodputPolicy(DraftCosts):
         self.cost.observe(num_tokens, seconds)
 
     def observe_acceptance(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy") -> None:
-        self.history.observe(method, num_draft, num_accepted, band)
+        self.history.observe(method, num_draft, num_accepted, band, watch=method not in UNWATCHED)
 
     def note_drafting(self, seqs: Sequence[ScheduledSeq]) -> None:
         """After the step's cuts: count the steps in a row each speculating request drafted nothing. A
