@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 
 import pytest
-from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, write_llama
+from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, write_target_and_draft
 
 from specserve.sampling.params import SamplingParams
 from specserve.server.api.responses import SpeculationInfo
@@ -75,10 +75,7 @@ def method(name: str, cls: type) -> registry.Method:
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("auto")
-    return {"target": write_llama(root / "target", seed=0),
-            "draft": write_llama(root / "draft", seed=1, num_hidden_layers=2, hidden_size=16,
-                                 intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)}
+    return write_target_and_draft(tmp_path_factory.mktemp("auto"))
 
 
 def test_greedy_equals_plain_alone_and_mixed_and_books_steps_per_method(dirs):

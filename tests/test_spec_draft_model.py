@@ -181,12 +181,16 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 # ------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("draft-model")
+def write_target_and_draft(root: Path) -> dict[str, Path]:
+    """A small random target and a smaller draft model of its vocabulary, under root."""
     return {"target": write_llama(root / "target", seed=0),
             "draft": write_llama(root / "draft", seed=1, num_hidden_layers=2, hidden_size=16,
                                  intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    return write_target_and_draft(tmp_path_factory.mktemp("draft-model"))
 
 
 @pytest.fixture(scope="module")

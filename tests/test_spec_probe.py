@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from test_cli import serve_parser
-from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, write_llama
+from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, write_target_and_draft
 
 from specserve.sampling.params import SamplingParams
 from specserve.server.cli import configs_from_args, main
@@ -18,10 +18,7 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("probe")
-    return {"target": write_llama(root / "target", seed=0),
-            "draft": write_llama(root / "draft", seed=1, num_hidden_layers=2, hidden_size=16,
-                                 intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)}
+    return write_target_and_draft(tmp_path_factory.mktemp("probe"))
 
 
 def test_the_probe_seeds_each_drafters_history_in_both_bands_and_leaves_nothing_else(dirs):

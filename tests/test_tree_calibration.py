@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, write_llama
+from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, write_target_and_draft
 
 from specserve.sampling.params import SamplingParams
 from specserve.server.engine import spec_dispatch
@@ -34,10 +34,8 @@ def test_it_scores_by_log_q_until_it_has_a_target_and_rows_then_fits_the_first_c
 
 def test_the_engine_hands_each_drafter_its_greedy_acceptance_and_trees_keep_the_text(tmp_path, monkeypatch):
     monkeypatch.setattr(spec_dispatch, "CALIBRATE_EVERY", 4)
-    target = write_llama(tmp_path / "target", seed=0)
-    draft = write_llama(tmp_path / "draft", seed=1, num_hidden_layers=2, hidden_size=16, intermediate_size=32,
-                        num_attention_heads=2, num_key_value_heads=1)
-    engine = make_engine(target, kv_gb=0.01, draft_model=str(draft))
+    dirs = write_target_and_draft(tmp_path)
+    engine = make_engine(dirs["target"], kv_gb=0.01, draft_model=str(dirs["draft"]))
     prompts = encode(engine)
     params = SamplingParams(**GREEDY, max_tokens=40)
     plain = [o.token_ids for o in engine.generate(prompts, params)]
