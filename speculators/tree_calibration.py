@@ -23,8 +23,6 @@ first choice then scores log 0.8 = -0.22 instead of log 0.61 = -0.49.
 """
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 MAX_LOGITS = 64          # logits kept per row (the largest)
@@ -37,25 +35,40 @@ class ScoreCalibration:
     def __init__(self) -> None:
         self.temperature = 1.0
         self.target: float | None = None
-        self._rows: deque[torch.Tensor] = deque(maxlen=KEEP_ROWS)
-        self._stale = False              # a target came that T was not fitted to (too few rows then)
+        self._rows: torch.Tensor | None = None    # [KEEP_ROWS, m] ring of the recent rows' largest logits
+        self._count = 0                           # rows written in all
+        self._fitted_count = -1                   # _count when T was last fitted (-1: never)
 
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[r, vocab] drafter logits -> [r, vocab] the children's scores (log-probabilities at T); the rows
         join the sample T is fitted on (at once, the first time there are enough for a pending target)."""
-        self._rows.extend(logits.detach().float().topk(min(MAX_LOGITS, logits.shape[-1]), dim=-1).values)
-        if self._stale and len(self._rows) >= SAMPLE_ROWS:
-            self.set_target(self.target)
+        self._keep(logits.detach().float().topk(min(MAX_LOGITS, logits.shape[-1]), dim=-1).values)
+        if self.target is not None and self._fitted_count < 0 and self._count >= SAMPLE_ROWS:
+            self._fit()
         if self.temperature == 1.0:
             return logits.log_softmax(dim=-1)
         return (logits / self.temperature).log_softmax(dim=-1)
 
     def set_target(self, acceptance: float) -> None:
-        """The drafter's greedy acceptance per position (0..1): refit T on the rows kept."""
-        self.target = min(max(acceptance, 0.01), 0.99)
-        self._stale = len(self._rows) < SAMPLE_ROWS
-        if not self._stale:
-            self.temperature = fit_temperature(torch.stack(list(self._rows)), self.target)
+        """The drafter's greedy acceptance per position (0..1): refit T on the rows kept, if any came since
+        the last fit or the target moved."""
+        target = min(max(acceptance, 0.01), 0.99)
+        moved = self.target is None or abs(target - self.target) > 1e-3
+        self.target = target
+        if self._count >= SAMPLE_ROWS and (moved or self._count > self._fitted_count):
+            self._fit()
+
+    def _keep(self, top: torch.Tensor) -> None:
+        if self._rows is None:
+            self._rows = top.new_empty(KEEP_ROWS, top.shape[1])
+        top = top[-KEEP_ROWS:]
+        slots = torch.arange(self._count, self._count + top.shape[0], device=top.device) % KEEP_ROWS
+        self._rows[slots] = top
+        self._count += top.shape[0]
+
+    def _fit(self) -> None:
+        self.temperature = fit_temperature(self._rows[:min(self._count, KEEP_ROWS)], self.target)
+        self._fitted_count = self._count
 
 
 def first_choice(rows: torch.Tensor, temperature: float) -> float:

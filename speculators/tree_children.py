@@ -66,14 +66,10 @@ def draw_children(logits: torch.Tensor,                 # [r, vocab] float32 dra
     out: list[Children | None] = [None] * logits.shape[0]
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        if calibration is None:
-            logprobs = logits.log_softmax(dim=-1)                                # [r, vocab]
-        else:
-            rows = torch.tensor(greedy, dtype=torch.long, device=logits.device)
-            logprobs = torch.empty_like(logits)
-            logprobs[rows] = calibration.log_probs(logits.index_select(0, rows))
-        for i in greedy:
-            found = top_children(logprobs[i], top_ks[i])
+        rows = logits if len(greedy) == len(params) else logits[greedy]           # [g, vocab]
+        logprobs = rows.log_softmax(dim=-1) if calibration is None else calibration.log_probs(rows)
+        for j, i in enumerate(greedy):
+            found = top_children(logprobs[j], top_ks[i])
             out[i] = Children([t for t, _ in found], [v for _, v in found], None)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
