@@ -266,6 +266,13 @@ class Speculator:
         """reason -> count of what it could not do since the last call (spec_decode_refused_total)."""
         return {}
 
+    def drafter_of(self, request: SpecRequest) -> str | None:
+        """The loaded method whose drafter drafted `request`'s drafts this step, when this speculator drafts
+        through another's (the hybrid's model drafter), else None. The engine books the step's acceptance
+        under that method too: the default method's traffic is most of what a server learns about its
+        drafter, and `auto` and the collapse signal read it there."""
+        return None
+
     def calibrate_trees(self, acceptance: float) -> None:
         """The server's greedy acceptance per position for this method: a tree-drafting model drafter fits
         its greedy nodes' score to it (speculators/tree_calibration.py); others ignore it."""

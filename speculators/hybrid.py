@@ -71,6 +71,10 @@ class HybridSpeculator(Speculator):
     def observe(self, step: VerifiedStep) -> None:
         self.fallback.observe(step)
 
+    def drafter_of(self, request: SpecRequest) -> str | None:
+        source = self.source.get(request.request_id)
+        return source if source == self.fallback_name else None
+
     def release(self, request: SpecRequest) -> None:
         self.source.pop(request.request_id, None)
         self.lookup.release(request)

@@ -177,17 +177,6 @@ class SpecDispatcher:
             if history.attempted(name, "greedy") >= CALIBRATION_EVIDENCE:
                 spec.calibrate_trees(self.learner.alpha(name, 0, 0, "greedy"))
 
-    def _hybrid_drafter(self, method: str, request) -> str | None:
-        """The model drafter whose drafts a hybrid request verified this step (None: its lookup's, or not
-        a hybrid request). The server's default is the hybrid, so most of what its drafter accepts is
-        seen under `hybrid`; booked under the drafter too, it gives `auto` that drafter's history and
-        the collapse signal its evidence."""
-        if method != "hybrid":
-            return None
-        hybrid = self.speculators.get("hybrid")
-        source = getattr(hybrid, "source", {}).get(request.request_id)
-        return source if source is not None and source != "ngram" else None
-
     def _behind(self, request, method: str) -> int:
         return self.ledger.behind(request, method, self._previous.get(request.request_id))
 
@@ -223,7 +212,8 @@ class SpecDispatcher:
             if req.request_id in self._chosen:
                 req.spec_stats.record_method(method, len(d), out.num_accepted)
             self.learner.observe_acceptance(method, len(d), out.num_accepted, band_of(req))
-            drafter = self._hybrid_drafter(method, req) if d else None
+            spec = self.speculators.get(method) if d else None
+            drafter = spec.drafter_of(req) if spec is not None else None
             if drafter is not None:     # the same drafter's acceptance: what `auto` rates it by
                 self.learner.observe_acceptance(drafter, len(d), out.num_accepted, band_of(req))
             if d:
