@@ -281,3 +281,10 @@ def test_the_step_line_is_kept_between_samples_and_follows_each_new_one():
     assert moved != first and moved[0] + 5 * moved[1] == pytest.approx(0.030)
     model.set_prior([(1, 0.001), (9, 0.009)])
     assert model.fit() != moved
+    model.forget()                           # back to the start-up prior alone: two samples, too few to fit
+    assert model.steps == 0 and model.fit() is None
+    model.set_prior([(n, 0.001 * n) for n in (1, 3, 5, 7, 9, 11, 13, 15)])
+    for _ in range(20):
+        model.observe(5, 0.030)
+    model.forget()
+    assert model.fit() == pytest.approx((0.0, 0.001))

@@ -32,6 +32,7 @@ def test_the_probe_seeds_each_drafters_history_in_both_bands_and_leaves_nothing_
         assert ("draft", band) not in history.fast           # the collapse signal starts from real traffic
         assert plain.engine.spec.learner.history.attempted("draft", band) == 0
     assert probed.engine.spec.learner.draft_step_s.get("draft", 0.0) > 0.0       # its cost is measured too
+    assert probed.engine.spec.learner.cost.steps == 0       # its steps' shape does not set the step line
     assert not probed.engine.live
     assert_no_leaks(probed)
     assert probed.engine.spec.speculators["suffix"].shared.end == 0    # no probe text joins the suffix cache

@@ -45,6 +45,13 @@ class StepCostModel:
                       weight * sum(n * t for n, t in samples))
         self._line = _STALE
 
+    def forget(self) -> None:
+        """Drop the steps observed so far (the start-up prior stays): they were of a shape the traffic
+        will not have (the acceptance probe's 16 sequences at once) and would set the line's level."""
+        self.w = self.sn = self.snn = self.st = self.snt = 0.0
+        self.steps = 0
+        self._line = _STALE
+
     def observe(self, num_tokens: int, seconds: float) -> None:
         d = self.decay
         self.w = self.w * d + 1.0
