@@ -23,6 +23,8 @@ Options (request `speculation` object): min_token_prob (default 0.1), spec_facto
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 
 import numpy as np
@@ -114,10 +116,12 @@ class SuffixSpeculator(Speculator):
         min_prob, factor = suffix_options(req.spec_params.options)
         out: list[tuple[list[int], float]] = []
         sid = self.scope_id(req)
+        hashes = local.end_hashes()                                       # tail's hashes, for both lookups
+        enough = math.ceil(k / factor)                 # a match this long already drafts k: measured no further
         for index, scope in ((local, 0), (self.shared, sid)):
             if index is None or scope is None or (index is self.shared and scope not in self._scope_written):
                 continue
-            found = index.match(tail, scope)
+            found = index.match(tail, scope, hashes=hashes, enough=enough)
             if found is None:
                 continue
             cap = min(k, max(1, int(factor * found.length)))

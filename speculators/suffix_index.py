@@ -34,6 +34,7 @@ LEVELS = (32, 16, 8, 4, 2)      # n-gram lengths indexed, longest first
 MAX_MATCH = 64                 # longest match length measured (caps the draft-length rule)
 MAX_CHAIN = 32                 # chain entries examined per level and lookup (bounds the work)
 SHORT_CHAIN = 8                # chains up to this long are checked in Python (numpy's per-call cost dominates)
+SHORT_WALK = 96                # match lengths are measured in Python up to this many token comparisons
 SEPARATOR = -1
 _BASE = np.uint64(0x100000001B3)
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -44,6 +45,11 @@ SMALL = 16                     # extend() appends up to this many tokens without
 _M64 = (1 << 64) - 1
 _POWERS_INT = {n: [int(x) for x in _POWERS[n]] for n in LEVELS}
 _MIX_INT = int(_MIX)
+# A request's own (growable) index also keeps prefix hashes P[j] = sum over i < j of (t_i + 2) B^(j-1-i):
+# the hash of the n tokens ending at position p is then P[p+1] - P[p+1-n] B^n (mod 2^64), O(1) per level
+# where hashing the window costs n steps (a decode step's append went from ~60 µs to ~15 µs).
+_BASE_INT = int(_BASE)
+_BASE_POW = {n: pow(_BASE_INT, n, 1 << 64) for n in LEVELS}
 
 
 @dataclass
@@ -68,6 +74,10 @@ def _hash_one(window: list[int], n: int, salt: int) -> int:
     return (h & _M64) ^ ((salt * _MIX_INT) & _M64)
 
 
+def _salt(scope: int) -> int:
+    return (scope * _MIX_INT) & _M64
+
+
 class SuffixIndex:
     """Token sequences of bounded total length, indexed for longest-suffix lookup.
 
@@ -88,6 +98,8 @@ class SuffixIndex:
         self.mask = np.uint64(buckets - 1)
         self.head = np.full((len(LEVELS), buckets), -1, dtype=np.int64)  # [levels, buckets]
         self.prev = np.full((len(LEVELS), capacity), -1, dtype=np.int64)  # [levels, capacity]
+        self._prefix: list[int] | None = [0] if self.growable else None   # P[0 .. end] (growable: no eviction)
+        self._last_sep = -1                            # absolute position of the latest separator (growable)
 
     @property
     def oldest(self) -> int:
@@ -113,8 +125,13 @@ class SuffixIndex:
             self.end += len(new) - self.capacity
             new = new[-self.capacity:]
         if len(new) <= SMALL:
-            self._extend_small(new.tolist(), scope)
+            if self._prefix is not None:
+                self._extend_rolling(new.tolist(), scope)
+            else:
+                self._extend_small(new.tolist(), scope)
             return
+        if self._prefix is not None:
+            self._extend_prefix(new.tolist())
         start = self.end
         pos = np.arange(start, start + len(new), dtype=np.int64)         # [B] absolute positions
         self.tokens[pos % self.capacity] = new
@@ -150,6 +167,42 @@ class SuffixIndex:
                 prev[p % cap] = head[b]
                 head[b] = p
 
+    def _extend_prefix(self, new: list[int]) -> None:
+        """Append the prefix hashes (and note separators) of tokens written at self.end - len(new) .. end - 1."""
+        prefix, h = self._prefix, self._prefix[-1]
+        for p, t in enumerate(new, len(prefix) - 1):
+            h = (h * _BASE_INT + t + 2) & _M64
+            prefix.append(h)
+            if t < 0:
+                self._last_sep = p
+
+    def _extend_rolling(self, new: list[int], scope: int) -> None:
+        """_extend_small for a growable index: each window's hash from the prefix hashes."""
+        start = self.end
+        self.tokens[start:start + len(new)] = new                         # growable: end <= capacity
+        self.scope[start:start + len(new)] = scope
+        self.end = start + len(new)
+        prefix, salt, mask = self._prefix, _salt(scope), int(self.mask)
+        head, prev = self.head, self.prev
+        for p, t in enumerate(new, start):
+            prefix.append((prefix[-1] * _BASE_INT + t + 2) & _M64)
+            if t < 0:
+                self._last_sep = p
+            for li, n in enumerate(LEVELS):
+                if p - n < self._last_sep:                                # too few tokens, or spans a separator
+                    continue
+                b = (((prefix[p + 1] - prefix[p + 1 - n] * _BASE_POW[n]) & _M64) ^ salt) & mask
+                prev[li, p] = head[li, b]
+                head[li, b] = p
+
+    def end_hashes(self) -> dict[int, int]:
+        """n -> the unsalted hash of the last n tokens, for the levels whose window the index holds without
+        a separator: a lookup of this index's own end reuses them (growable indexes only; else {})."""
+        if self._prefix is None:
+            return {}
+        prefix, end = self._prefix, self.end
+        return {n: (prefix[end] - prefix[end - n] * _BASE_POW[n]) & _M64 for n in LEVELS if end - n > self._last_sep}
+
     def _link(self, li: int, buckets: np.ndarray, ends: np.ndarray) -> None:
         """Push ends (ascending) onto their buckets' chains; several may share a bucket within the batch."""
         order = np.argsort(buckets, kind="stable")                       # ascending ends within a bucket
@@ -173,19 +226,25 @@ class SuffixIndex:
             self.extend(held, int(s))
 
     # -- reading -------------------------------------------------------------------------------------
-    def match(self, tail: np.ndarray, scope: int = 0, before: int | None = None) -> Match | None:
+    def match(self, tail: np.ndarray, scope: int = 0, before: int | None = None,
+              hashes: dict[int, int] | None = None, enough: int = MAX_MATCH) -> Match | None:
         """Candidates whose tokens end like `tail` ([T] int64), written by `scope`, with at least one token
-        after them before absolute position `before` (default: the end). None: no match of >= 2 tokens."""
+        after them before absolute position `before` (default: the end). None: no match of >= 2 tokens.
+        hashes: n -> the unsalted hash of tail's last n tokens where known (end_hashes of the index whose
+        end `tail` is), else each level hashes its window. enough: the match length is measured up to this
+        (a draft-length rule that stops growing there needs no more; a level this long is not re-measured)."""
         limit = self.end if before is None else before
         head, prev, scope_of, cap = self.head, self.prev, self.scope, self.capacity
-        tail_ids, mask = tail.tolist(), int(self.mask)
+        tail_ids, mask, oldest = tail.tolist(), int(self.mask), self.oldest
         for li, n in enumerate(LEVELS):
             if len(tail) < n:
                 continue
             want = tail[-n:]
-            p = int(head[li, _hash_one(tail_ids[-n:], n, scope) & mask])
+            known = hashes.get(n) if hashes else None
+            h = _hash_one(tail_ids[-n:], n, scope) if known is None else known ^ _salt(scope)
+            p = int(head[li, h & mask])
             chain: list[int] = []
-            while p >= self.oldest + n - 1 and len(chain) < MAX_CHAIN:
+            while p >= oldest + n - 1 and len(chain) < MAX_CHAIN:
                 chain.append(p)
                 p = int(prev[li, p % cap])
             if not chain:
@@ -194,13 +253,13 @@ class SuffixIndex:
             if few is not None:                                           # checked without numpy
                 if few:
                     ends = np.asarray(few, dtype=np.int64)
-                    return Match(ends, self._longest(ends, tail))
+                    return Match(ends, n if n >= enough else self._longest(ends, tail, enough, n))
                 continue
             ends = np.asarray(chain, dtype=np.int64)                      # [C] newest first
             win = self.tokens[(ends[:, None] - np.arange(n - 1, -1, -1)) % cap]   # [C, n]
             ok = (ends + 1 < limit) & (scope_of[ends % cap] == scope) & (win == want[None, :]).all(axis=1)
             if ok.any():
-                return Match(ends[ok], self._longest(ends[ok], tail))
+                return Match(ends[ok], n if n >= enough else self._longest(ends[ok], tail, enough, n))
         return None
 
     def _verify_few(self, chain: list[int], want: list[int], scope: int, limit: int) -> list[int] | None:
@@ -216,8 +275,18 @@ class SuffixIndex:
                 ok.append(e)
         return ok
 
-    def _longest(self, ends: np.ndarray, tail: np.ndarray) -> int:
-        m = min(len(tail), MAX_MATCH)
+    def _longest(self, ends: np.ndarray, tail: np.ndarray, enough: int = MAX_MATCH, known: int = 0) -> int:
+        """The longest match among `ends` (up to `enough`), whose last `known` tokens are already verified."""
+        m = min(len(tail), MAX_MATCH, enough)
+        if len(ends) * (m - known) <= SHORT_WALK:                       # a few tokens to compare: Python
+            tokens, cap, oldest, want = self.tokens, self.capacity, self.oldest, tail[::-1][:m].tolist()
+            best = known
+            for e in ends.tolist():
+                length = known
+                while length < m and e - length >= oldest and tokens[(e - length) % cap] == want[length]:
+                    length += 1
+                best = max(best, length)
+            return best
         back = np.arange(m)                                               # [m] 0 = the last token
         idx = ends[:, None] - back[None, :]                               # [C, m]
         held = idx >= self.oldest
@@ -231,7 +300,12 @@ class SuffixIndex:
         Returns (draft ids, expected accepted tokens under those frequencies)."""
         limit = self.end if before is None else before
         idx = found.ends[:, None] + np.arange(1, max_len + 1)             # [C, L]
-        rows = np.where(idx < limit, self.tokens[idx % self.capacity], SEPARATOR).tolist()
+        table = np.where(idx < limit, self.tokens[idx % self.capacity], SEPARATOR)   # [C, L]
+        if (table == table[0]).all():                   # one continuation (or copies of it): frequency 1 throughout
+            first = table[0].tolist()
+            out = first[:first.index(SEPARATOR)] if SEPARATOR in first else first
+            return out, float(len(out))
+        rows = table.tolist()
         out: list[int] = []
         prob, expected = 1.0, 0.0
         for j in range(max_len):

@@ -95,9 +95,42 @@ def test_token_by_token_appends_find_what_bulk_ones_find(capacity, growable, mon
     assert found == matches(single) and sum(m is not None for m in found) > 20
     monkeypatch.setattr(suffix_index, "SHORT_CHAIN", 0)              # every chain checked with numpy
     assert matches(bulk) == found
+    for walk in (suffix_index.SHORT_WALK, 0):                        # 0: every length measured with numpy
+        monkeypatch.setattr(suffix_index, "SHORT_WALK", walk)
+        assert matches(bulk) == found
+        for tail, full in zip(tails, found):                         # measured only up to `enough`
+            short = bulk.match(tail, 3, enough=8)
+            if full is not None:
+                assert short.ends.tolist() == full[1]
+                assert short.length == full[0] if full[0] < 8 else short.length >= 8
     windows = rng.integers(-1, 9000, (8, LEVELS[0]))
     for n in LEVELS:
         assert _hash(windows[:, -n:], n, 7).tolist() == [_hash_one(w[-n:].tolist(), n, 7) for w in windows]
+
+
+def test_a_growable_index_hashes_its_own_end_as_a_lookup_would():
+    """A request's index keeps prefix hashes: the hashes of its last n tokens (end_hashes) equal hashing the
+    windows, and a lookup given them finds what one hashing its tail finds, in the index and in another."""
+    rng = np.random.default_rng(5)
+    own, other = SuffixIndex(16, growable=True), SuffixIndex(4096)
+    other.extend(rng.integers(0, 6, 3000).tolist() + [-1], 2)
+    checked = found = 0
+    for _ in range(120):
+        own.extend(rng.integers(0, 6, int(rng.integers(1, 2 * SMALL))).tolist() + ([-1] if rng.random() < 0.1 else []))
+        tail = own.tokens[max(0, own.end - 64):own.end].astype(np.int64)
+        hashes = own.end_hashes()
+        clean = tail[np.flatnonzero(tail < 0)[-1] + 1:] if (tail < 0).any() else tail
+        assert sorted(hashes) == sorted(n for n in LEVELS if n <= len(clean))
+        for n, h in hashes.items():
+            assert h == _hash_one(tail[-n:].tolist(), n, 0)               # scope 0: no salt
+        for index, scope in ((own, 0), (other, 2)):
+            plain, fast = index.match(tail, scope), index.match(tail, scope, hashes=hashes)
+            assert (plain is None) == (fast is None)
+            if plain is not None:
+                assert (plain.length, plain.ends.tolist()) == (fast.length, fast.ends.tolist())
+                found += 1
+            checked += 1
+    assert found > checked // 2
 
 
 def test_growable_index_keeps_everything():
