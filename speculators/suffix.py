@@ -24,7 +24,6 @@ Options (request `speculation` object): min_token_prob (default 0.1), spec_facto
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 
 import numpy as np
