@@ -9,9 +9,9 @@ def test_the_same_source_gives_the_same_bits_and_a_changed_one_does_not(tmp_path
     rows = bench_kernel_ab.main([str(paged_kernel.SOURCE), "--rounds", "1", "--calls", "1", "--context", "40"])
     assert len(rows) == 12 and all(r["same_bits"] and r["other_us"] > 0 for r in rows)
     text = paged_kernel.SOURCE.read_text()
-    assert "* a.scale;" in text
+    assert "window, scale, out};" in text
     changed = tmp_path / "changed.cpp"
-    changed.write_text(text.replace("* a.scale;", "* a.scale * 1.001f;"))       # every score 0.1 % larger
+    changed.write_text(text.replace("window, scale, out};", "window, scale * 1.001f, out};"))   # scores 0.1 % larger
     rows = bench_kernel_ab.main([str(changed), "--rounds", "1", "--calls", "1", "--context", "40"])
     assert not any(r["same_bits"] for r in rows)
     assert paged_kernel.load() is paged_kernel._state["lib"]                        # the current kernel is back

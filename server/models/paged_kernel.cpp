@@ -5,9 +5,10 @@
 // query_start_loc [num_seqs + 1] int32; out [num_tokens, num_heads, D] fp32.
 //
 // Determinism: every query row is computed by the same straight-line code whatever else is in the call.
-// Its scores are q.k dot products with a fixed 16-lane split of the head dimension, its softmax
-// normaliser and its output are sums over its visible keys in position order, and the work split
-// (sequence, kv head, tile of TILE queries) only decides which thread computes a row, never how.
+// Its scores are q.k dot products with a fixed 16-lane split of the head dimension, its softmax normaliser
+// a sum over its visible keys split over 16 lanes by position from its first key, its output a sum over
+// those keys in position order, and the work split (sequence, kv head, tile of TILE queries) only decides
+// which thread computes a row, never how.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -63,6 +64,14 @@ inline const float* load_row(const void* cache, int64_t index, int D, float* buf
     }
 }
 
+// Ask for a cached row ahead of its use (the blocks of a sequence are scattered: the hardware prefetcher
+// loses the stream at every block boundary).
+template <int DT>
+inline void prefetch_row(const void* cache, int64_t index, int D) {
+    const char* p = static_cast<const char*>(cache) + index * (DT == 0 ? 4 : 2);
+    for (int64_t b = 0; b < static_cast<int64_t>(D) * (DT == 0 ? 4 : 2); b += 64) __builtin_prefetch(p + b);
+}
+
 inline float dot(const float* a, const float* b, int D) {
     float acc[LANES] = {0.f};
     int d = 0;
@@ -85,7 +94,7 @@ inline float dot(const float* a, const float* b, int D) {
 // horizontal sum per key and row was most of the kernel's time). Lane bookkeeping: after the last step,
 // element 4 L + e holds key 4 e + L.
 template <int HD>
-inline void dot16(const float* q, const float* const* keys, float* sums) {
+inline __m512 dot16(const float* q, const float* const* keys) {
     static_assert(HD % LANES == 0, "whole 16-lane chunks");
     __m512 v[16];
     for (int j = 0; j < 16; ++j) {
@@ -109,11 +118,9 @@ inline void dot16(const float* q, const float* const* keys, float* sums) {
                              _mm512_shuffle_ps(w[2 * n], w[2 * n + 1], 0xEE));
     }
     const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
-    alignas(64) float out[16];
-    _mm512_store_ps(out, f);
-    for (int lane = 0; lane < 4; ++lane) {
-        for (int e = 0; e < 4; ++e) sums[4 * e + lane] = out[4 * lane + e];
-    }
+    // back to key order: key j = 4 e + L sits in element 4 L + e
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, f);
 }
 #endif
 
@@ -138,6 +145,35 @@ __attribute__((noinline)) void exp_nonpositive(float* x, int n) {
     }
 }
 
+// Max and sum of a row's n values with LANES partial results by position (value i -> lane i % LANES) and
+// the same pairwise tree as dot(): vectorised, and a function of the row's values alone (not of the call).
+inline float lane_max(const float* x, int n) {
+    float acc[LANES];
+    for (int l = 0; l < LANES; ++l) acc[l] = x[0];
+    int i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        for (int l = 0; l < LANES; ++l) acc[l] = acc[l] > x[i + l] ? acc[l] : x[i + l];
+    }
+    for (int l = 0; i < n; ++i, ++l) acc[l] = acc[l] > x[i] ? acc[l] : x[i];
+    for (int l = 0; l < 8; ++l) acc[l] = acc[l] > acc[l + 8] ? acc[l] : acc[l + 8];
+    for (int l = 0; l < 4; ++l) acc[l] = acc[l] > acc[l + 4] ? acc[l] : acc[l + 4];
+    for (int l = 0; l < 2; ++l) acc[l] = acc[l] > acc[l + 2] ? acc[l] : acc[l + 2];
+    return acc[0] > acc[1] ? acc[0] : acc[1];
+}
+
+inline float lane_sum(const float* x, int n) {
+    float acc[LANES] = {0.f};
+    int i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        for (int l = 0; l < LANES; ++l) acc[l] += x[i + l];
+    }
+    for (int l = 0; i < n; ++i, ++l) acc[l] += x[i];
+    for (int l = 0; l < 8; ++l) acc[l] += acc[l + 8];
+    for (int l = 0; l < 4; ++l) acc[l] += acc[l + 4];
+    for (int l = 0; l < 2; ++l) acc[l] += acc[l + 2];
+    return acc[0] + acc[1];
+}
+
 struct Args {
     const float* q; const void* k_cache; const void* v_cache; int dtype;
     const int32_t* block_tables; int64_t max_blocks; const int32_t* seq_lens; const int32_t* qsl;
@@ -145,7 +181,7 @@ struct Args {
 };
 
 struct Scratch {
-    std::vector<float> scores, acc, krow, inv_sum;
+    std::vector<float> scores, acc, krow, vbuf, inv_sum;
     std::vector<const float*> qrows;
     std::vector<int64_t> pos, lo, slots;
 };
@@ -191,18 +227,22 @@ void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, S
     if constexpr (HD > 0) {                                     // scores, 16 cached keys at a time
         s.krow.resize(16 * D);
         const float* keys[16];
-        alignas(64) float sums[16];
+        const __m512 scale = _mm512_set1_ps(a.scale);
         for (int64_t n0 = lo_min; n0 <= hi_max; n0 += 16) {
             const int64_t nk = std::min<int64_t>(16, hi_max - n0 + 1);
             for (int64_t j = 0; j < nk; ++j) keys[j] = load_row<DT>(a.k_cache, slots[n0 + j], D, s.krow.data() + j * D);
+            for (int64_t j = n0 + 16; j < std::min<int64_t>(n0 + 32, hi_max + 1); ++j) {   // the next 16 keys
+                prefetch_row<DT>(a.k_cache, slots[j], D);
+            }
             for (int64_t j = nk; j < 16; ++j) keys[j] = keys[0];     // padding: computed, never stored
             for (int64_t r = 0; r < rows; ++r) {
                 if (n0 > pos[r] || n0 + nk - 1 < row_lo[r]) continue;
-                dot16<HD>(qrows[r], keys, sums);
-                float* out = s.scores.data() + r * span + (n0 - lo_min);
-                for (int64_t j = 0; j < nk; ++j) {
-                    if (n0 + j <= pos[r] && n0 + j >= row_lo[r]) out[j] = sums[j] * a.scale;
-                }
+                // keys n0 + j stored where visible to the row: j in [row_lo - n0, pos - n0] and below nk
+                const int64_t first = std::max<int64_t>(0, row_lo[r] - n0);
+                const int64_t last = std::min<int64_t>(nk - 1, pos[r] - n0);
+                const __mmask16 keep = static_cast<__mmask16>(((1u << (last + 1)) - 1u) & ~((1u << first) - 1u));
+                _mm512_mask_storeu_ps(s.scores.data() + r * span + (n0 - lo_min), keep,
+                                      _mm512_mul_ps(dot16<HD>(qrows[r], keys), scale));
             }
         }
     } else
@@ -215,27 +255,33 @@ void run_item(const Args& a, int64_t seq, int64_t kvh, int64_t j0, int64_t j1, S
         }
     }
     float* inv_sum = s.inv_sum.data();
-    for (int64_t r = 0; r < rows; ++r) {                         // softmax numerators, in position order
-        int64_t lo = row_lo[r] - lo_min, hi = pos[r] - lo_min;
-        float* sc = s.scores.data() + r * span;
-        float m = sc[lo];
-        for (int64_t n = lo + 1; n <= hi; ++n) m = std::max(m, sc[n]);
-        for (int64_t n = lo; n <= hi; ++n) sc[n] -= m;
-        exp_nonpositive(sc + lo, static_cast<int>(hi - lo + 1));
-        float sum = 0.f;
-        for (int64_t n = lo; n <= hi; ++n) sum += sc[n];
-        inv_sum[r] = 1.0f / sum;
+    for (int64_t r = 0; r < rows; ++r) {                         // softmax numerators
+        const int64_t lo = row_lo[r] - lo_min;
+        const int len = static_cast<int>(pos[r] - row_lo[r] + 1);
+        float* sc = s.scores.data() + r * span + lo;
+        const float m = lane_max(sc, len);                        // exact in any order
+        for (int n = 0; n < len; ++n) sc[n] -= m;
+        exp_nonpositive(sc, len);
+        inv_sum[r] = 1.0f / lane_sum(sc, len);                    // 16 lanes by position from the row's first key
     }
 #if defined(__AVX512F__)
     if constexpr (HD > 0) {          // weighted values, in position order, 4 rows' sums held in registers
         constexpr int C = HD / 16;
+        const float* vals = static_cast<const float*>(a.v_cache);   // fp32: the cache itself
+        if constexpr (DT != 0) {                     // else each value row converted once, not once per 4 rows
+            s.vbuf.resize(span * D);
+            for (int64_t n = lo_min; n <= hi_max; ++n) {
+                if (n + 8 <= hi_max) prefetch_row<DT>(a.v_cache, slots[n + 8], D);
+                load_row<DT>(a.v_cache, slots[n], D, s.vbuf.data() + (n - lo_min) * D);
+            }
+        }
         for (int64_t r0 = 0; r0 < rows; r0 += 4) {
             __m512 acc[4][C];
             for (int rr = 0; rr < 4; ++rr) {
                 for (int c = 0; c < C; ++c) acc[rr][c] = _mm512_setzero_ps();
             }
             for (int64_t n = lo_min; n <= hi_max; ++n) {
-                const float* val = load_row<DT>(a.v_cache, slots[n], D, s.krow.data());
+                const float* val = DT == 0 ? vals + slots[n] : s.vbuf.data() + (n - lo_min) * D;
                 __m512 v[C];
                 for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(val + 16 * c);
                 for (int rr = 0; rr < 4; ++rr) {

@@ -4,8 +4,9 @@ Why a hand-written kernel: the SDPA path (attention.py) gathers every sequence's
 buffer per layer per step, and torch's CPU SDPA rounds a query row differently with the number of keys and
 rows in the call in bf16, which is why a bf16 model kept an fp32 cache. This kernel walks each sequence's
 block table directly (no gather, no padding to the longest context) and reads fp32, bf16 or fp16 K/V,
-accumulating in fp32 in one FIXED order per query row: a dot product split over 16 fixed lanes, softmax
-sums and the weighted value sum over the row's visible keys in position order. The work is split over
+accumulating in fp32 in one FIXED order per query row: a dot product split over 16 fixed lanes, the softmax
+sum over 16 lanes by key position from the row's first visible key, the weighted value sum in position
+order. The work is split over
 (sequence, kv head, tile of 16 queries) and the split only picks the thread, never the arithmetic, so a
 row is bit-identical alone or in any batch, with any number of drafts beside it.
 
