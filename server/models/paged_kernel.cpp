@@ -335,18 +335,25 @@ extern "C" int specserve_paged_attention(
     for (int64_t i = 0; i < num_seqs; ++i) {
         for (int64_t j = 0; j < qsl[i + 1] - qsl[i]; j += TILE) { items.push_back(i); items.push_back(j); }
     }
-    const int64_t num_items = static_cast<int64_t>(items.size() / 2) * num_kv_heads;
+    // A work item is (sequence, tile of queries) and a group of kv heads: all of them once there are enough
+    // items to keep every thread busy (a key's kv heads share its cache lines, so one pass over them reads
+    // the rest from cache), else one kv head each. The grouping only picks the thread, never the arithmetic.
+    const int64_t tiles = static_cast<int64_t>(items.size() / 2);
+    const int64_t group = tiles >= 4 * static_cast<int64_t>(num_threads) ? num_kv_heads : 1;
+    const int64_t per_tile = num_kv_heads / group, num_items = tiles * per_tile;
     #pragma omp parallel num_threads(num_threads)
     {
         Scratch scratch;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < num_items; ++w) {
-            int64_t item = w / num_kv_heads, kvh = w % num_kv_heads;
+            int64_t item = w / per_tile, kv0 = (w % per_tile) * group;
             int64_t seq = items[2 * item], j0 = items[2 * item + 1];
             int64_t j1 = std::min<int64_t>(j0 + TILE, qsl[seq + 1] - qsl[seq]);
-            if (a.dtype == 0) run_dim<0>(a, seq, kvh, j0, j1, scratch);
-            else if (a.dtype == 1) run_dim<1>(a, seq, kvh, j0, j1, scratch);
-            else run_dim<2>(a, seq, kvh, j0, j1, scratch);
+            for (int64_t kvh = kv0; kvh < kv0 + group; ++kvh) {
+                if (a.dtype == 0) run_dim<0>(a, seq, kvh, j0, j1, scratch);
+                else if (a.dtype == 1) run_dim<1>(a, seq, kvh, j0, j1, scratch);
+                else run_dim<2>(a, seq, kvh, j0, j1, scratch);
+            }
         }
     }
     return 0;
