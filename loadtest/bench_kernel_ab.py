@@ -8,6 +8,10 @@ and times `paged_attention_cpu` with each on the same inputs: decode (1 row per 
 (5 rows: 4 drafts) at batch 1, 8 and 16, fp32 and bf16 K/V, context --context, 8 heads over 2 KV heads of
 --head-dim. Median of --rounds x --calls calls per arm; the two outputs are compared bit for bit (a change that
 only moves work around must keep every bit).
+
+--layers N times the kernel as a forward sees it: N layers' caches of their own, called in turn with a
+512 x 2048 linear between calls, so each call starts with the other layers' K/V and the weights in the caches
+(only the kernel's calls are timed).
 """
 from __future__ import annotations
 
@@ -43,9 +47,9 @@ def build_other(source: Path, out_dir: Path) -> ctypes.CDLL:
     return lib
 
 
-def inputs(batch: int, rows: int, kv_dtype: torch.dtype, context: int, head_dim: int):
+def inputs(batch: int, rows: int, kv_dtype: torch.dtype, context: int, head_dim: int, layer: int = 0):
     per = -(-(context + rows) // BLOCK)
-    gen = torch.Generator().manual_seed(batch * 10 + rows)
+    gen = torch.Generator().manual_seed(batch * 10 + rows + 1000 * layer)
     shape = (batch * per, BLOCK, KV_HEADS, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
     v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
@@ -56,6 +60,23 @@ def inputs(batch: int, rows: int, kv_dtype: torch.dtype, context: int, head_dim:
     return q, k_cache, v_cache, tables, lens, qsl, head_dim ** -0.5
 
 
+def timed_calls(layers: list[tuple], calls: int, num_tokens: int) -> float:
+    """µs per kernel call: `calls` passes over the layers; with several, a linear runs between calls."""
+    between = None
+    if len(layers) > 1:
+        x, w = torch.randn(num_tokens, 512).to(torch.bfloat16), torch.randn(2048, 512).to(torch.bfloat16)
+        between = lambda: torch.nn.functional.linear(x, w)    # noqa: E731
+    total = 0.0
+    for _ in range(calls):
+        for layer in layers:
+            if between is not None:
+                between()
+            start = time.perf_counter()
+            pk.paged_attention_cpu(*layer, None)
+            total += time.perf_counter() - start
+    return total / (calls * len(layers)) * 1e6
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("other", type=Path, help="another paged_kernel.cpp (e.g. from `git show REV:...`)")
@@ -63,6 +84,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--layers", type=int, default=1, help="caches of their own, a linear between calls (see above)")
     args = ap.parse_args(argv)
     current = pk.load()
     if current is None:
@@ -77,18 +99,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for rows in (1, 5):
                 for batch in (1, 8, 16):
                     for kv_dtype in (torch.float32, torch.bfloat16):
-                        args_ = inputs(batch, rows, kv_dtype, args.context, args.head_dim)
+                        layers = [inputs(batch, rows, kv_dtype, args.context, args.head_dim, seed)
+                                  for seed in range(args.layers)]
                         times: dict[str, list[float]] = {"other": [], "current": []}
                         outs = {}
                         for r in range(args.rounds):
                             arms = (("other", other), ("current", current))
                             for name, lib in arms if r % 2 == 0 else arms[::-1]:
                                 pk._state["lib"] = lib
-                                outs[name] = pk.paged_attention_cpu(*args_, None)
-                                start = time.perf_counter()
-                                for _ in range(args.calls):
-                                    pk.paged_attention_cpu(*args_, None)
-                                times[name].append((time.perf_counter() - start) / args.calls * 1e6)
+                                outs[name] = pk.paged_attention_cpu(*layers[0], None)
+                                times[name].append(timed_calls(layers, args.calls, batch * rows))
                         o, c = statistics.median(times["other"]), statistics.median(times["current"])
                         same = torch.equal(outs["other"], outs["current"])
                         rows_out.append(dict(batch=batch, rows=rows, kv=str(kv_dtype), other_us=o, current_us=c,
