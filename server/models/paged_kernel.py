@@ -6,9 +6,9 @@ rows in the call in bf16, which is why a bf16 model kept an fp32 cache. This ker
 block table directly (no gather, no padding to the longest context) and reads fp32, bf16 or fp16 K/V,
 accumulating in fp32 in one FIXED order per query row: a dot product split over 16 fixed lanes, the softmax
 sum over 16 lanes by key position from the row's first visible key, the weighted value sum in position
-order. The work is split over
-(sequence, kv head, tile of 16 queries) and the split only picks the thread, never the arithmetic, so a
-row is bit-identical alone or in any batch, with any number of drafts beside it.
+order. The work is split over (sequence, tile of 16 queries) and kv heads (one per item at small batches,
+all of a tile's at large ones), and the split only picks the thread, never the arithmetic, so a row is
+bit-identical alone or in any batch, with any number of drafts beside it.
 
 Considered instead: FlexAttention (CPU inductor code generation compiles per block-mask shape and takes
 tens of seconds per graph on 2 cores, and its reduction tiling follows the key count, so the fixed-order
