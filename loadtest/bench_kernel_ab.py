@@ -62,15 +62,12 @@ def inputs(batch: int, rows: int, kv_dtype: torch.dtype, context: int, head_dim:
 
 def timed_calls(layers: list[tuple], calls: int, num_tokens: int) -> float:
     """µs per kernel call: `calls` passes over the layers; with several, a linear runs between calls."""
-    between = None
-    if len(layers) > 1:
-        x, w = torch.randn(num_tokens, 512).to(torch.bfloat16), torch.randn(2048, 512).to(torch.bfloat16)
-        between = lambda: torch.nn.functional.linear(x, w)    # noqa: E731
+    x, w = torch.randn(num_tokens, 512).to(torch.bfloat16), torch.randn(2048, 512).to(torch.bfloat16)
     total = 0.0
     for _ in range(calls):
         for layer in layers:
-            if between is not None:
-                between()
+            if len(layers) > 1:
+                torch.nn.functional.linear(x, w)
             start = time.perf_counter()
             pk.paged_attention_cpu(*layer, None)
             total += time.perf_counter() - start

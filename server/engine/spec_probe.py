@@ -61,7 +61,7 @@ def probe_drafters(engine, tokens: int) -> dict[tuple[str, str], float]:
     room = engine.max_model_len // 2                     # a short context window: half for the prompt
     prompts = [engine.tokenizer.encode(text)[-room:] for text in PROBE_TEXTS]
     ids = []
-    for t in PROBE_TEMPERATURES:            # a round per temperature: each drafter's forward has 2 rows
+    for t in PROBE_TEMPERATURES:            # a round per temperature: a drafter's forward has a row per text
         for method in methods:
             for j, prompt in enumerate(prompts):
                 new = min(tokens, engine.max_model_len - len(prompt) - PROBE_K - 1)

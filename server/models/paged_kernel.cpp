@@ -7,8 +7,8 @@
 // Determinism: every query row is computed by the same straight-line code whatever else is in the call.
 // Its scores are q.k dot products with a fixed 16-lane split of the head dimension, its softmax normaliser
 // a sum over its visible keys split over 16 lanes by position from its first key, its output a sum over
-// those keys in position order, and the work split (sequence, kv head, tile of TILE queries) only decides
-// which thread computes a row, never how.
+// those keys in position order, and the work split (sequence, tile of TILE queries, one kv head or all of them)
+// only decides which thread computes a row, never how.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
