@@ -3,7 +3,8 @@
 The members are every other loaded method but `prediction` (it needs a request's own prediction) and
 `hybrid` (its lookup and its drafter are members themselves).
 Context lookups (suffix, ngram) draft first, in microseconds, so the choice knows whether they have a
-draft and how long it is; a model drafter (draft, eagle3, eagle, mtp) may draft up to k. A chooser
+draft and how long it is (a lookup draft that another one's continues is offered at the longer length:
+continue_agreeing); a model drafter (draft, eagle3, eagle, mtp) may draft up to k. A chooser
 then picks per request from those lengths and what the request and the server have accepted per method:
 the engine's goodput policy (server/engine/spec_policy.py `choose_methods`: expected tokens per second,
 from the measured step cost and draft cost per depth, a model drafter's forward shared by the requests
@@ -58,6 +59,25 @@ def each_longest_lookup(requests: Sequence[SpecRequest], ks: Sequence[int],
     return [longest_lookup(r, k, n) for r, k, n in zip(requests, ks, lengths)]
 
 
+def continue_agreeing(drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each lookup's draft continued by the longest other lookup draft it is a prefix of.
+
+    Two lookups that agree predict the same text, and the one that stopped sooner only knew less of it:
+    suffix cuts its draft where its match count says (a short match drafts a few tokens), n-gram drafts
+    all k from its last occurrence. On fresh prose at T = 0 the two agreed on the first token in 72 of 74
+    steps where both drafted, suffix's shorter draft was taken in 58 of them, and n-gram's longer one would
+    have had 216 tokens accepted where suffix's had 173. The method keeps its name (its acceptance
+    history then measures the drafts it is really verified with) and its draft stays deterministic."""
+    out = dict(drafts)
+    for m, draft in drafts.items():
+        if draft:
+            longer = max((d for o, d in drafts.items() if o != m and len(d) > len(draft)
+                          and d[:len(draft)] == draft), key=len, default=None)
+            if longer is not None:
+                out[m] = list(longer)
+    return out
+
+
 class AutoSpeculator(Speculator):
     name = "auto"
 
@@ -109,7 +129,7 @@ class AutoSpeculator(Speculator):
             self.lookup_seconds[m] = (time.perf_counter() - start, len(reqs))
         lengths = []
         for j, (req, k) in enumerate(zip(reqs, live_ks)):
-            drafts = {m: found[m][j] for m in found}
+            drafts = continue_agreeing({m: found[m][j] for m in found})
             self._lookup_drafts[req.request_id] = drafts
             lengths.append({m: (len(drafts[m]) if m in drafts else k) for m in self.members})
         chosen = chooser(reqs, live_ks, lengths) if reqs else []

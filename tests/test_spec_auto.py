@@ -19,7 +19,7 @@ from specserve.server.engine.spec_policy import GoodputPolicy
 from specserve.server.engine.stats import StepStats
 from specserve.server.metrics import Metrics
 from specserve.speculators import registry
-from specserve.speculators.auto import AutoSpeculator, longest_lookup
+from specserve.speculators.auto import AutoSpeculator, continue_agreeing, longest_lookup
 from specserve.speculators.base import DraftProposal, SpecParams, SpecRequest, SpecStats, Speculator
 
 ANSWERS: dict[tuple[int, ...], list[int]] = {}     # prompt -> its greedy output (what the oracle knows)
@@ -199,6 +199,32 @@ def test_choice_follows_expected_tokens_per_second():
     assert AutoSpeculator({}).choose([request], [0]) == ["none"]
 
 
+
+
+def test_a_lookup_draft_is_continued_by_a_longer_one_that_agrees_with_it():
+    """Two lookups whose drafts agree predict the same text: the shorter one is offered at the longer one's
+    length; drafts that differ anywhere in their overlap stay as they were."""
+    got = continue_agreeing({"suffix": [5, 6], "ngram": [5, 6, 7, 8]})
+    assert got == {"suffix": [5, 6, 7, 8], "ngram": [5, 6, 7, 8]}
+    assert continue_agreeing({"suffix": [5, 9], "ngram": [5, 6, 7]}) == {"suffix": [5, 9], "ngram": [5, 6, 7]}
+    assert continue_agreeing({"suffix": [], "ngram": [5, 6]}) == {"suffix": [], "ngram": [5, 6]}
+    assert continue_agreeing({"suffix": [1, 2, 3], "ngram": [1]}) == {"suffix": [1, 2, 3], "ngram": [1, 2, 3]}
+
+    class Fixed(Speculator):
+        def __init__(self, ids: list[int]) -> None:
+            self.ids = ids
+
+        def propose(self, requests, ks):
+            return DraftProposal([self.ids[:k] for k in ks], [None] * len(ks))
+
+    auto = AutoSpeculator({"suffix": Fixed([4, 4]), "ngram": Fixed([4, 4, 9, 9, 9])})
+    seen: list[dict[str, int]] = []
+    auto.chooser = lambda reqs, ks, lengths: seen.extend(lengths) or ["suffix"] * len(reqs)
+    request = SimpleNamespace(request_id="r", spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
+                              sampling_params=PLAIN)
+    assert auto.choose([request], [4]) == ["suffix"]
+    assert seen == [{"suffix": 4, "ngram": 4}]
+    assert auto.drafts("suffix", [request], [4]).token_ids == [[4, 4, 9, 9]]
 
 
 def test_an_untried_drafter_is_explored_and_a_request_keeps_the_drafter_it_took():
