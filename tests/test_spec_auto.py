@@ -256,6 +256,36 @@ def test_an_untried_drafter_is_explored_and_a_request_keeps_the_drafter_it_took(
     policy.is_collapsed = lambda method, band=None: method == "draft"
     assert policy.choose_method(request, 4, lengths) == "eagle3"
 
+def test_leaving_a_drafter_in_step_is_charged_its_next_catch_up_beyond_its_follow_up():
+    """A step without the request's own drafter makes it catch up when next chosen: a lookup that would
+    win on its own acceptance is not taken while the drafter is in step and its catch-up costs more than
+    the follow-up it saves; once the drafter is behind anyway, or for a head whose follow-up costs what
+    its catch-up does, the lookup is taken."""
+    def setup(follow_up: float) -> tuple[GoodputPolicy, SimpleNamespace]:
+        policy = GoodputPolicy()
+        policy.cost.fit = lambda: (0.010, 0.0005)                 # a 10 ms step, 0.5 ms a verified row
+        policy.draft_step_s["draft"] = 0.002                      # its catch-up (no fit yet): one draft forward
+        policy.follow_up_s["draft"] = follow_up
+        policy.history.slow[("draft", "sampled")] = [600.0, 1000.0]
+        policy.history.slow[("ngram", "sampled")] = [380.0, 1000.0]
+        request = SimpleNamespace(request_id="r", spec_params=SpecParams("auto", 8), spec_stats=SpecStats(),
+                                  sampling_params=SamplingParams(temperature=0.8, max_tokens=64),
+                                  num_tokens=100, num_output_tokens=10)
+        request.spec_stats.by_method["draft"] = [6, 20, 12, 20]
+        return policy, request
+
+    lengths = {"draft": 8, "ngram": 8}
+    policy, request = setup(follow_up=0.0)
+    in_step, behind = (lambda r, m: 0), (lambda r, m: 5 if m == "draft" else 0)
+    assert policy.leave_s(request, "draft", in_step) == pytest.approx(0.002)
+    assert policy.choose_method(request, 8, lengths, behind=in_step) == "draft"
+    assert policy.leave_s(request, "draft", behind) == 0.0
+    assert policy.choose_method(request, 8, lengths, behind=behind) == "ngram"
+    policy, request = setup(follow_up=0.002)
+    assert policy.leave_s(request, "draft", in_step) == 0.0
+    assert policy.choose_method(request, 8, lengths, behind=in_step) == "ngram"
+
+
 def test_over_http_the_response_shows_steps_per_chosen_method_and_metrics_label_them(client, http):
     from conftest import SERVED_NAME
 
