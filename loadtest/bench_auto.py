@@ -1,6 +1,6 @@
 """suffix and auto against the fixed methods, interleaved per prompt (robust to a VM's drifting speed).
 
-    python -m loadtest.bench_auto --num-prompts 4 --new-tokens 96 [--rounds 2]
+    python -m loadtest.bench_auto --num-prompts 4 --new-tokens 96 [--rounds 2] [--extra-methods eagle3,mtp]
 
 Workloads (loadtest/prompt_sets.py): `repeated` (code-completion prompts answered once, untimed, then
 sent again and timed), `agentic` (turn 2 of a code-editing conversation whose turn 1 was answered
@@ -46,9 +46,12 @@ class Warm:
         return name
 
 
-def arms(k: int) -> dict[str, SpecParams]:
-    return {"none": SpecParams(), "ngram": SpecParams("ngram", k), "hybrid k=4": SpecParams("hybrid", 4),
-            "suffix": SpecParams("suffix", k), "auto": SpecParams("auto", k)}
+def arms(k: int, extra: list[str] | None = None) -> dict[str, SpecParams]:
+    """The compared arms; `extra`: more single methods at k (e.g. the drafters auto chooses among)."""
+    out = {"none": SpecParams(), "ngram": SpecParams("ngram", k), "hybrid k=4": SpecParams("hybrid", 4),
+           "suffix": SpecParams("suffix", k)}
+    out.update({m: SpecParams(m, k) for m in extra or [] if m not in out})
+    return {**out, "auto": SpecParams("auto", k)}
 
 
 def scoped(spec: SpecParams, scope: str) -> SpecParams:
@@ -153,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="batch-1 passes over each set, pooled (each pass starts the arm rotation elsewhere)")
     ap.add_argument("--temperatures", default="0,0.8")
+    ap.add_argument("--extra-methods", default="",
+                    help="more single methods to compare at batch 1, comma-separated (e.g. eagle3,mtp)")
     ap.add_argument("--sets", default="repeated,agentic,mixed,code_completion,prose")
     ap.add_argument("--concurrent-sets", default="repeated,code_completion")
     ap.add_argument("--concurrent-rounds", type=int, default=2,
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     eng = LLM(config=EngineConfig(model=args.model, kv_cache_memory_gb=0.5, suffix_scope="user"))
     sets, warm = workloads(eng, args.num_prompts, args.new_tokens)
-    specs = arms(args.k)
+    specs = arms(args.k, [m for m in args.extra_methods.split(",") if m])
     print(f"{args.num_prompts} prompts x {args.new_tokens} tokens, k = {args.k}, loaded: {eng.methods}")
     header = " ".join(f"{n:>11}" for n in specs)
     print(f"{'set':16} {'T':>4} {'none/s':>6} {header}   auto/best  (speedup vs none / tau)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from loadtest.bench_auto import arms
 from loadtest.prompt_sets import WORKLOAD_USER, load_prompt_set, mixed, next_turn, repeated
 from loadtest.request_builder import build_request
 
@@ -32,3 +33,11 @@ def test_served_workloads_send_one_user():
     row = load_prompt_set("repeated", 2)[0]
     assert build_request("m", row, args)["user"] == WORKLOAD_USER
     assert "user" not in build_request("m", load_prompt_set("code_completion", 1)[0], args)
+
+
+def test_bench_auto_compares_extra_single_methods_at_k_before_auto():
+    specs = arms(8, ["eagle3", "ngram", "mtp"])
+    assert list(specs) == ["none", "ngram", "hybrid k=4", "suffix", "eagle3", "mtp", "auto"]
+    assert (specs["eagle3"].method, specs["eagle3"].num_speculative_tokens) == ("eagle3", 8)
+    assert specs["hybrid k=4"].num_speculative_tokens == 4
+    assert list(arms(8)) == ["none", "ngram", "hybrid k=4", "suffix", "auto"]
