@@ -44,7 +44,7 @@ class EngineConfig:
     speculation_policy: str = "goodput"    # goodput = draft only the positions that raise tokens/s; fixed = all k
     # start-up acceptance probe: new tokens each model drafter drafts on built-in texts before the first
     # request (server/engine/spec_probe.py); 0 = none
-    speculation_probe_tokens: int = 32
+    speculation_probe_tokens: int = 64
     # the draft tree of requests (of a tree-drafting method) that name none: top_k 1 = chains
     draft_tree_top_k: int = 1
     draft_tree_depth: int = 4

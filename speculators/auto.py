@@ -10,9 +10,10 @@ the engine's goodput policy (server/engine/spec_policy.py `choose_methods`: expe
 from the measured step cost and draft cost per depth, a model drafter's forward shared by the requests
 choosing it), else `longest_lookup`. Only the chosen model
 drafter runs; the lookups' drafts are reused. Of the model drafters a request uses one, the first it took
-(spec_policy.own_drafter): the server's histories say which drafter suits the target, a drafter with a
-short history rated at an upper confidence bound so that it gets tried; each step the request still
-chooses between that drafter, the lookups and none.
+(spec_policy.own_drafter): the start-up probe's paired comparison, scaled by the level the server's traffic
+shows, says which drafter suits the target (acceptance.AcceptanceHistory.rating), and one request in
+EXPLORE_EVERY takes the drafter with the least traffic so that the comparison keeps being measured on the
+server's own text; each step the request still chooses between that drafter, the lookups and none.
 
 Why it stays exact: the choice reads the context and past acceptance, never this step's target logits,
 and each method's drafts come with that method's own draft distribution.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections.abc import Sequence
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, 
 
 from specserve.sampling.params import SamplingParams
 from specserve.server.api.responses import SpeculationInfo
-from specserve.server.engine import acceptance
+from specserve.server.engine import acceptance, spec_policy
 from specserve.server.engine.spec_policy import GoodputPolicy
 from specserve.server.engine.stats import StepStats
 from specserve.server.metrics import Metrics
@@ -255,6 +256,54 @@ def test_an_untried_drafter_is_explored_and_a_request_keeps_the_drafter_it_took(
     rows["draft"] = [6, 20, 5, 17]
     policy.is_collapsed = lambda method, band=None: method == "draft"
     assert policy.choose_method(request, 4, lengths) == "eagle3"
+
+def _explorer_id(explores: bool) -> str:
+    return next(f"r{i}" for i in range(1000)
+                if (zlib.crc32(f"r{i}".encode()) % spec_policy.EXPLORE_EVERY == 0) == explores)
+
+
+def test_probed_drafters_keep_their_probe_ranking_when_hard_text_lowers_the_one_that_drafted_it():
+    """Traffic histories are not paired: the drafter that met hard text looks worse than one that met
+    none. Rated by the probe scaled by the band's traffic level, the ranking survives; a drafter that does
+    worse than its probe says relative to the others on the same server falls; a request takes the best
+    rated drafter, and one in EXPLORE_EVERY the one with the least traffic."""
+    history = acceptance.AcceptanceHistory()
+    unprobed = acceptance.AcceptanceHistory()
+    for h in (history, unprobed):
+        h.observe("eagle3", 4, 3, "sampled")                 # the probe's own steps: cleared by set_probe
+    history.set_probe("eagle3", "sampled", 240.4, 400.0)      # 0.60 and 0.55 once shrunk
+    history.set_probe("mtp", "sampled", 220.2, 400.0)
+    for i in range(150):                                      # hard text, all of it drafted by eagle3
+        for h in (history, unprobed):
+            h.observe("eagle3", 4, i % 2, "sampled")          # 1 of 3 positions accepted
+    traffic = 1 / 3
+    assert unprobed.alpha("mtp", 0, 0, "sampled") > unprobed.alpha("eagle3", 0, 0, "sampled")   # confounded
+    e3, mtp = history.rating("eagle3", "sampled"), history.rating("mtp", "sampled")
+    assert e3 == pytest.approx(traffic, rel=0.08)
+    assert mtp / e3 == pytest.approx(0.55 / 0.60)                 # the probe's order and gap
+    assert history.alpha("mtp", 0, 0, "sampled") == pytest.approx(mtp)
+    assert history.rating("ngram", "sampled") is None and history.rating("mtp", "greedy") is None
+
+    policy = GoodputPolicy()
+    policy.history = history
+    policy.cost.fit = lambda: (0.010, 0.0005)
+    policy.draft_step_s.update(eagle3=0.001, mtp=0.001)
+    lengths = {"eagle3": 4, "mtp": 4, "ngram": 0}
+
+    def request(rid: str) -> SimpleNamespace:
+        return SimpleNamespace(request_id=rid, spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
+                               sampling_params=SamplingParams(temperature=0.8, max_tokens=64))
+    assert policy.choose_method(request(_explorer_id(False)), 4, lengths) == "eagle3"
+    assert policy.choose_method(request(_explorer_id(True)), 4, lengths) == "mtp"    # least traffic
+    explorer = request(_explorer_id(True))
+    explorer.spec_stats.by_method["eagle3"] = [5, 20, 10, 20]   # it drafts with one already: no exploring
+    assert policy.choose_method(explorer, 4, lengths) == "eagle3"
+
+    for i in range(300):                                      # mtp on the same server: 0.2 to eagle3's 1/3
+        history.observe("mtp", 4, 1 if i % 4 == 0 else 0, "sampled")
+    gap = history.rating("mtp", "sampled") / history.rating("eagle3", "sampled")
+    assert gap < 0.85 * 0.55 / 0.60
+
 
 def test_leaving_a_drafter_in_step_is_charged_its_next_catch_up_beyond_its_follow_up():
     """A step without the request's own drafter makes it catch up when next chosen: a lookup that would

@@ -30,6 +30,9 @@ def test_the_probe_seeds_each_drafters_history_in_both_bands_and_leaves_nothing_
     for band in ("greedy", "sampled"):
         assert 0 < history.attempted("draft", band) <= PRIOR_POSITIONS
         assert ("draft", band) not in history.fast           # the collapse signal starts from real traffic
+        assert ("draft", band) not in history.traffic        # nor the traffic level (acceptance.rating)
+        assert history.rating("draft", band) == pytest.approx(history.probed[("draft", band)])
+        assert 0 < history.probed[("draft", band)] < 1
         assert plain.engine.spec.learner.history.attempted("draft", band) == 0
     assert probed.engine.spec.learner.draft_step_s.get("draft", 0.0) > 0.0       # its cost is measured too
     assert probed.engine.spec.learner.cost.steps == 0       # its steps' shape does not set the step line

@@ -11,6 +11,20 @@ below COLLAPSE_RATIO x its longer history (METHOD_DECAY) is reported once per CO
 warning and spec_decode_acceptance_collapse_total{method}) and not chosen by `auto` for that window; it
 needs COLLAPSE_MIN_ATTEMPTED positions of evidence in both. Watched: the model drafters, whose acceptance
 falls when they stop matching the target; a context lookup's follows the text it is given.
+
+Rating the model drafters against each other (`rating`): what a drafter accepted on traffic depends on the
+text it was given as much as on the drafter, and each request drafts with one of them, so their traffic
+histories are not comparable: at T = 0.8 one hard first request took EAGLE-3's history from 0.61 to 0.48,
+and later requests drafted with MTP, which is slower on the same text (0.90x against 1.06x of the best
+single method, by which drafter the band settled on). The start-up probe (spec_probe.py) is the one paired
+comparison, every drafter on the same texts. So a probed drafter m in a band is rated p_m * L * r_m:
+    p_m   its probe acceptance
+    L     the band's traffic level, what all probed drafters accepted on traffic over what their probe
+          values predict for the positions they drafted (one hard request lowers every drafter alike)
+    r_m   m's own traffic over what p_m * L predicts for it, shrunk towards 1 by RATIO_WEIGHT positions:
+          a drafter that does worse than its probe says, relative to the others, on the server's text
+A drafter with much traffic is rated at its own traffic acceptance; one with none at its probe scaled by
+the level.
 """
 from __future__ import annotations
 
@@ -31,6 +45,8 @@ COLLAPSE_MIN_BASELINE = 0.2
 COLLAPSE_MIN_ATTEMPTED = 20.0
 COLLAPSE_WINDOW_S = 60.0
 BANDS = ("greedy", "sampled")
+LEVEL_WEIGHT = 8.0        # expected accepted positions the traffic level (1: as probed) counts for
+RATIO_WEIGHT = 40.0       # the same, for a drafter's own ratio to the level (1: as probed)
 
 
 def band_of(request) -> str:
@@ -46,6 +62,8 @@ class AcceptanceHistory:
         self.fast: dict[tuple[str, str], list[float]] = {}        # the same, FAST_DECAY
         self.collapsed_until: dict[tuple[str, str], float] = {}   # (method, band) -> end of its window
         self.collapses: dict[str, int] = {}                       # method -> reports not yet drained
+        self.probed: dict[tuple[str, str], float] = {}           # (method, band) -> probe acceptance
+        self.traffic: dict[tuple[str, str], list[float]] = {}    # slow's counts since the probe
 
     def observe(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy",
                 watch: bool = True) -> None:
@@ -61,6 +79,9 @@ class AcceptanceHistory:
         baseline = acc[0] / acc[1] if acc[1] >= COLLAPSE_MIN_ATTEMPTED else None   # before this step
         acc[0] = acc[0] * METHOD_DECAY + num_accepted
         acc[1] = acc[1] * METHOD_DECAY + attempted
+        seen = self.traffic.setdefault(key, [0.0, 0.0])
+        seen[0] = seen[0] * METHOD_DECAY + num_accepted
+        seen[1] = seen[1] * METHOD_DECAY + attempted
         fast = self.fast.setdefault(key, [0.0, 0.0])
         fast[0] = fast[0] * FAST_DECAY + num_accepted
         fast[1] = fast[1] * FAST_DECAY + attempted
@@ -96,6 +117,40 @@ class AcceptanceHistory:
             acc[0], acc[1] = acc[0] * scale, positions
         self.fast.pop((method, band), None)
 
+    def set_probe(self, method: str, band: str, accepted: float, attempted: float) -> None:
+        """(method, band)'s start-up probe counts; its traffic counts start from here. Kept shrunk towards
+        PRIOR_ALPHA by PRIOR_WEIGHT positions: a drafter that accepted nothing in the probe is rated low,
+        not 0, so that what an explorer accepts with it can still raise it."""
+        self.probed[(method, band)] = (accepted + PRIOR_WEIGHT * PRIOR_ALPHA) / (attempted + PRIOR_WEIGHT)
+        self.traffic.pop((method, band), None)
+
+    def level(self, band: str) -> tuple[float, float]:
+        """The band's traffic level: accepted positions of the probed drafters on traffic over what their
+        probe values predict for the positions they attempted -> (that ratio shrunk towards 1 by
+        LEVEL_WEIGHT, the ratio itself; 1 with no traffic yet)."""
+        accepted = expected = 0.0
+        for (m, b), p in self.probed.items():
+            if b == band and (m, b) in self.traffic:
+                acc, att = self.traffic[(m, b)]
+                accepted += acc
+                expected += att * p
+        raw = accepted / expected if expected > 0 else 1.0
+        return (accepted + LEVEL_WEIGHT) / (expected + LEVEL_WEIGHT), raw
+
+    def rating(self, method: str, band: str) -> float | None:
+        """A probed drafter's acceptance per position in `band` (see the module's description); None for a
+        method the probe did not measure. Its ratio is taken to the level as measured, not as shrunk: with
+        one drafter drafting all of a band's traffic the ratio is exactly 1, and the drafters keep the
+        probe's order (a shrunk level would lend every drafter without traffic a few per cent, as much as
+        the probe's gap between EAGLE-3 and MTP)."""
+        p = self.probed.get((method, band))
+        if p is None:
+            return None
+        level, raw = self.level(band)
+        acc, att = self.traffic.get((method, band), (0.0, 0.0))
+        ratio = (acc + RATIO_WEIGHT) / (att * p * raw + RATIO_WEIGHT)
+        return min(max(p * level * ratio, 0.01), 0.999)
+
     def attempted(self, method: str, band: str = "greedy") -> float:
         """The (decayed) positions of evidence behind `method`'s history in `band`."""
         return self.slow.get((method, band), (0.0, 0.0))[1]
@@ -106,9 +161,12 @@ class AcceptanceHistory:
 
     def alpha(self, method: str, accepted: float, attempted: float, band: str = "greedy") -> float:
         """A request's acceptance estimate: its own counts, shrunk towards its method's history in its band,
-        which is itself shrunk towards PRIOR_ALPHA. Never 0 after a few rejections: a cut request brings no
-        new evidence, so an estimate of 0 would cut its method for good (one rejected first draft once
-        stopped ngram at batch 1 for every later step: 0.96x plain against 2.09x with k fixed)."""
-        acc, att = self.slow.get((method, band), (0.0, 0.0))
-        prior = (acc + PRIOR_WEIGHT * PRIOR_ALPHA) / (att + PRIOR_WEIGHT)
+        which is itself shrunk towards PRIOR_ALPHA (for a probed drafter, its rating instead). Never 0 after
+        a few rejections: a cut request brings no new evidence, so an estimate of 0 would cut its method for
+        good (one rejected first draft once stopped ngram at batch 1 for every later step: 0.96x plain
+        against 2.09x with k fixed)."""
+        prior = self.rating(method, band)
+        if prior is None:
+            acc, att = self.slow.get((method, band), (0.0, 0.0))
+            prior = (acc + PRIOR_WEIGHT * PRIOR_ALPHA) / (att + PRIOR_WEIGHT)
         return min((accepted + PRIOR_WEIGHT * prior) / (attempted + PRIOR_WEIGHT), 0.999)

@@ -170,7 +170,7 @@ def _assemble(cfg: EngineConfig, model, mcfg, name: str, model_dir: Path | None,
         spec.policy = calibrated_policy(runner, cfg.max_num_seqs)
     grammars = build_grammar_compiler(cfg, tok_dir, mcfg.vocab_size, tokenizer.eos_token_ids)
     engine = Engine(runner, sched, tokenizer, sampler, spec, max_len, grammars)
-    probe_drafters(engine, cfg.speculation_probe_tokens)
+    probe_drafters(engine, cfg.speculation_probe_tokens, max(cfg.max_speculative_tokens, 1))
     return engine, cfg.served_model_name or name
 
 

@@ -6,21 +6,35 @@ T = 0.8, 92 of their 413 steps went to the two weakest drafters. And a drafter's
 slowest (EAGLE-3's first follow-up observe: 3.5 ms beside a steady 1.1 ms). The probe pays both before
 traffic: each model drafter (registry.MODEL_DRAFTERS that are loaded) continues four built-in texts, two
 pieces of code and two paragraphs of prose, greedy and then at T = 0.8 (seeded), `tokens` new tokens each,
-k = 4, one batch per temperature through the engine's own step. What the drafters accepted is then kept as
-a prior worth at most PRIOR_POSITIONS positions per (method, band) (AcceptanceHistory.cap): enough to rank
-the drafters, too little to be the baseline the collapse signal compares real traffic with (it needs 20
-positions). With one text of each kind the ranking followed the texts: MTP 0.70 against EAGLE-3 0.63 greedy,
-where the code and prose benchmark sets measure EAGLE-3 0.77 / 0.69 and MTP 0.74 / 0.72, and `auto` drafted
-fresh code with MTP at 0.9x the speed EAGLE-3 gives it; with two of each, 0.68 against 0.65.
+at k = the server's largest (--max-speculative-tokens, 8 by default), through the engine's own step: a
+round per text and temperature, every drafter's request at once, so each drafter's forward has one row as
+a lone request's has (with a row per text, four at once, EAGLE-3's follow-up read 1.59 ms where traffic
+then measured 1.0 ms, and `auto` at T = 0.8 drafted with the draft model, the slowest of the three alone).
 
-The probe leaves nothing behind but that history and the drafters' cost estimates. Not the step-time
-fit: its steps (16 sequences of 5 rows) are not traffic's shape, and a line centred on them read a lone
-request's step as 1.3 ms + 0.73 ms a row where it costs 6 ms + 0.14 ms, so every draft looked dear.
+What each drafter accepted is its probe value per band (AcceptanceHistory.set_probe): the paired
+comparison `auto` ranks the drafters by, scaled by the level the server's traffic then shows
+(AcceptanceHistory.rating). In its history it stays as a prior worth at most PRIOR_POSITIONS positions
+per (method, band) (AcceptanceHistory.cap), too little to be the baseline the collapse signal compares
+real traffic with (it needs 20 positions). With one text of each kind the ranking followed the texts: MTP
+0.70 against EAGLE-3 0.63 greedy, where the code and prose benchmark sets measure EAGLE-3 0.77 / 0.69 and
+MTP 0.74 / 0.72; with two of each, 0.68 against 0.65. At k = 4 and 32 tokens the sampled round rated
+EAGLE-3 and MTP 0.606 and 0.600, and `auto` drafted with MTP; at k = 8 and 64 tokens, four seeds of it
+rated EAGLE-3 above MTP in each (0.628-0.665 against 0.586-0.653), as eight code prompts at T = 0.8
+measure them (0.68 against 0.63; EAGLE-3 alone 1.13x plain, MTP 1.08x). It takes ~13 s at start-up here.
+
+The probe leaves nothing behind but that history and the drafters' cost estimates per depth, follow-up
+and catch-up. Not the line of a propose's cost against its depth: the probe's proposes are all of depth k
+but the last few of each request, many of them after a prompt catch-up, and the line it left read
+EAGLE-3 at 1.82 ms a depth where its mean per depth was 1.09; `auto` then rated every drafter below plain
+decoding at T = 0.8. Nor the step-time fit: its steps (every drafter's request at once, k + 1 rows each)
+are not traffic's shape, and a line centred on such steps read a lone request's step as 1.3 ms + 0.73 ms
+a row where it costs 6 ms + 0.14 ms, so every draft looked dear.
 Its requests finish and free their blocks (their prompt blocks stay in the prefix cache, evictable like
 any), none carries a suffix-cache scope, and no metric counts them (the server's loop starts after it).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -31,7 +45,7 @@ from specserve.speculators.base import SpecParams
 log = logging.getLogger(__name__)
 
 PRIOR_POSITIONS = 12.0
-PROBE_K = 4
+PROBE_K = 8
 PROBE_TEXTS = (
     "def merge_sorted(left, right):\n"
     "    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
@@ -50,10 +64,12 @@ PROBE_TEXTS = (
     "with the name of the package and the version you need. If the installation fails, check that",
 )
 PROBE_TEMPERATURES = (0.0, 0.8)
+PROBE_SEED = 0
 
 
-def probe_drafters(engine, tokens: int) -> dict[tuple[str, str], float]:
-    """Run the probe on `engine` (no request may be live) -> (method, band) -> acceptance per position."""
+def probe_drafters(engine, tokens: int, k: int = PROBE_K) -> dict[tuple[str, str], float]:
+    """Run the probe on `engine` (no request may be live) at `k` drafts a step (the server's largest: what
+    `auto` requests draft up to) -> (method, band) -> acceptance per position."""
     methods = [m for m in registry.MODEL_DRAFTERS if m in engine.spec.methods]
     if tokens <= 0 or not methods:
         return {}
@@ -61,31 +77,32 @@ def probe_drafters(engine, tokens: int) -> dict[tuple[str, str], float]:
     room = engine.max_model_len // 2                     # a short context window: half for the prompt
     prompts = [engine.tokenizer.encode(text)[-room:] for text in PROBE_TEXTS]
     ids = []
-    for t in PROBE_TEMPERATURES:            # a round per temperature: a drafter's forward has a row per text
-        for method in methods:
-            for j, prompt in enumerate(prompts):
-                new = min(tokens, engine.max_model_len - len(prompt) - PROBE_K - 1)
-                params = SamplingParams(temperature=t, max_tokens=max(new, 1), ignore_eos=True,
-                                        seed=0 if t else None)
-                rid = f"probe-{method}-{t}-{j}"
-                try:
-                    engine.add_request(rid, prompt, params, SpecParams(method, PROBE_K, adaptive=False))
-                except ValueError as exc:        # a KV cache too small for it: probe the rest
-                    log.info("speculation probe: %s skipped (%s)", rid, exc)
-                    continue
-                ids.append(rid)
+    for t, (j, prompt) in itertools.product(PROBE_TEMPERATURES, enumerate(prompts)):
+        for method in methods:        # a round per text and temperature: a drafter's forward has one row
+            new = min(tokens, engine.max_model_len - len(prompt) - k - 1)
+            params = SamplingParams(temperature=t, max_tokens=max(new, 1), ignore_eos=True,
+                                    seed=PROBE_SEED if t else None)
+            rid = f"probe-{method}-{t}-{j}"
+            try:
+                engine.add_request(rid, prompt, params, SpecParams(method, k, adaptive=False))
+            except ValueError as exc:        # a KV cache too small for it: probe the rest
+                log.info("speculation probe: %s skipped (%s)", rid, exc)
+                continue
+            ids.append(rid)
         while engine.has_work:
             engine.step()
     learner = engine.spec.learner
     learner.cost.forget()            # its steps' shape (every drafter's requests at once) is not traffic's
+    learner.draft_fit.clear()        # nor its proposes': see the module's description
     history = learner.history
     seen = {}
     for method in methods:
         for band in ("greedy", "sampled"):
-            history.cap(method, band, PRIOR_POSITIONS)
             acc, att = history.slow.get((method, band), (0.0, 0.0))
             if att:
                 seen[(method, band)] = acc / att
+                history.set_probe(method, band, acc, att)
+            history.cap(method, band, PRIOR_POSITIONS)
     log.info("speculation probe (%d requests x %d tokens, %.1f s): acceptance per position %s", len(ids), tokens,
              time.perf_counter() - start,
              ", ".join(f"{m} {b} {a:.2f}" for (m, b), a in sorted(seen.items())))
