@@ -64,6 +64,7 @@ class AcceptanceHistory:
         self.collapses: dict[str, int] = {}                       # method -> reports not yet drained
         self.probed: dict[tuple[str, str], float] = {}           # (method, band) -> probe acceptance
         self.traffic: dict[tuple[str, str], list[float]] = {}    # slow's counts since the probe
+        self._rated: dict[tuple[str, str], float | None] = {}   # rating()'s answers until the next count
 
     def observe(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy",
                 watch: bool = True) -> None:
@@ -79,6 +80,7 @@ class AcceptanceHistory:
         baseline = acc[0] / acc[1] if acc[1] >= COLLAPSE_MIN_ATTEMPTED else None   # before this step
         acc[0] = acc[0] * METHOD_DECAY + num_accepted
         acc[1] = acc[1] * METHOD_DECAY + attempted
+        self._rated.clear()
         seen = self.traffic.setdefault(key, [0.0, 0.0])
         seen[0] = seen[0] * METHOD_DECAY + num_accepted
         seen[1] = seen[1] * METHOD_DECAY + attempted
@@ -123,6 +125,7 @@ class AcceptanceHistory:
         not 0, so that what an explorer accepts with it can still raise it."""
         self.probed[(method, band)] = (accepted + PRIOR_WEIGHT * PRIOR_ALPHA) / (attempted + PRIOR_WEIGHT)
         self.traffic.pop((method, band), None)
+        self._rated.clear()
 
     def level(self, band: str) -> tuple[float, float]:
         """The band's traffic level: accepted positions of the probed drafters on traffic over what their
@@ -142,7 +145,14 @@ class AcceptanceHistory:
         method the probe did not measure. Its ratio is taken to the level as measured, not as shrunk: with
         one drafter drafting all of a band's traffic the ratio is exactly 1, and the drafters keep the
         probe's order (a shrunk level would lend every drafter without traffic a few per cent, as much as
-        the probe's gap between EAGLE-3 and MTP)."""
+        the probe's gap between EAGLE-3 and MTP). Kept until the next count: `auto` reads it for every
+        request and candidate of a step."""
+        key = (method, band)
+        if key not in self._rated:
+            self._rated[key] = self._rating(method, band)
+        return self._rated[key]
+
+    def _rating(self, method: str, band: str) -> float | None:
         p = self.probed.get((method, band))
         if p is None:
             return None
