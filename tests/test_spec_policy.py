@@ -288,3 +288,39 @@ def test_the_step_line_is_kept_between_samples_and_follows_each_new_one():
         model.observe(5, 0.030)
     model.forget()
     assert model.fit() == pytest.approx((0.0, 0.001))
+
+
+def test_best_stop_keeps_the_prefix_with_the_most_tokens_per_second_once_blocks_are_paid():
+    from specserve.server.engine.step_cost import best_stop
+    picks = [(2, 1.6, 0.0003), (4, 1.2, 0.0006)]
+    assert best_stop(30, 16.0, 0.010, picks, block_s=0.003) == 1        # the second pick's block does not pay
+    assert best_stop(30, 16.0, 0.010, picks, block_s=0.0) == 2
+    assert best_stop(20, 16.0, 0.010, picks, block_s=0.003) == 2        # no boundary crossed
+    assert best_stop(31, 16.0, 0.010, [(2, 0.1, 0.0003)], block_s=0.003) == 0
+
+
+def test_the_trim_stops_short_of_a_row_block_that_its_rows_do_not_pay_for():
+    """16 requests at decode (16 rows) whose drafts pay at t1 a row: without a staircase the trim keeps
+    drafts past 32 rows; with a block costing 30 rows' worth it keeps the best ones within 32."""
+    def crowd():
+        return [seq(f"r{i}", 4, accepted=80, attempted=100) for i in range(16)]    # alpha ~0.8
+    flat, c = fitted_policy(t0=0.010, t1=0.0002), crowd()
+    flat.trim(c)
+    assert 16 + sum(s.num_draft_slots for s in c) > 32
+    stepped, c = fitted_policy(t0=0.010, t1=0.0002), crowd()
+    stepped.block_s = 0.0002 * 30
+    stepped.trim(c)
+    assert 16 < 16 + sum(s.num_draft_slots for s in c) <= 32
+
+
+def test_the_row_block_step_is_timed_at_start_up_and_zero_where_the_cost_is_a_line():
+    from types import SimpleNamespace
+
+    from specserve.server.engine.spec_policy import ROW_BLOCK, row_block_step
+
+    def runner(jump: float):
+        return SimpleNamespace(time_verify_step=lambda seqs, q, ctx, reps=3:
+                               0.005 + 0.0002 * seqs * q + (jump if seqs * q > ROW_BLOCK else 0.0))
+    assert row_block_step(runner(0.002), (0.005, 0.0002)) == pytest.approx(0.002)
+    assert row_block_step(runner(0.0), (0.005, 0.0002)) == 0.0
+    assert row_block_step(runner(0.002), None) == 0.0

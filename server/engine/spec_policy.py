@@ -31,6 +31,11 @@ k, never raises it, and each cut is counted: `spec_decode_refused_total{reason="
 `speculation.cuts["load"]` (also `num_steps_k_reduced`). Requests opt out with `"adaptive": false` in their
 `speculation`.
 
+The line is not the whole cost where the target's linears run in blocks of rows (bf16 on CPU: ROW_BLOCK, 32):
+a forward one row past a block's end costs a block more (block_s, timed at start-up). The greedy choice above
+prices rows at t1; where it crosses a block boundary, the trim keeps the prefix of its choices (in the order
+taken) with the most tokens per second once each block begun is paid (step_cost.best_stop).
+
 A request cut to no drafts brings no evidence, so every PROBE_EVERY steps without drafts it drafts one
 position: an estimate that fell low once (a batch of rejected first drafts) can recover.
 
@@ -54,7 +59,7 @@ from collections.abc import Callable, Sequence
 from specserve.server.engine.acceptance import PRIOR_WEIGHT, AcceptanceHistory, band_of
 from specserve.server.engine.draft_costs import DraftCosts, steps_left
 from specserve.server.engine.scheduler import ScheduledSeq
-from specserve.server.engine.step_cost import MIN_FIT_STEPS, MIN_T1_RATIO, StepCostModel
+from specserve.server.engine.step_cost import MIN_FIT_STEPS, MIN_T1_RATIO, ROW_BLOCK, StepCostModel, best_stop
 from specserve.speculators.auto import LOOKUPS
 
 __all__ = ["CALIBRATION_SHAPES", "MIN_FIT_STEPS", "MIN_T1_RATIO", "GoodputPolicy", "StepCostModel",
@@ -98,6 +103,7 @@ class GoodputPolicy(DraftCosts):
         self.cost = StepCostModel()
         self.calibration: list[tuple[int, float]] = []        # start-up (num_tokens, seconds) samples
         self.dry: dict[str, int] = {}                         # request id -> steps in a row without drafts
+        self.block_s = 0.0          # a forward's extra cost per block of ROW_BLOCK rows begun (bf16 CPU linear)
 
     # -- learning (the drafters' costs: DraftCosts) -----------------------------------------------------
     def calibrate(self, samples: list[tuple[int, float]]) -> None:
@@ -343,6 +349,8 @@ class GoodputPolicy(DraftCosts):
             cost = len(members) * t1 + sum(costs[m]) + self.follow_up_s.get(m, 0.0)
             heapq.heappush(heap, (-sum(alphas[i] for i in members) / cost, len(heap), m, 1, members, cost))
         serial = len(heap)
+        base = (n_tokens, gained, seconds)
+        picks: list[tuple[list[int], int, float, float]] = []       # (members, depth, gain, cost) as taken
         while heap:
             _, _, m, depth, members, entry_cost = heapq.heappop(heap)
             # only members whose own verification pays at the rate reached so far (gained / seconds)
@@ -355,6 +363,7 @@ class GoodputPolicy(DraftCosts):
                 continue
             for i in members:
                 keep[i] = depth
+            picks.append((members, depth, gain, cost))
             gained += gain
             seconds += cost
             deeper = [i for i in members if depth < adaptive[i].num_draft_slots]
@@ -363,6 +372,13 @@ class GoodputPolicy(DraftCosts):
                 nxt_cost = len(deeper) * t1 + (costs[m][1] if m is not None else 0.0)   # no lookup cost
                 serial += 1
                 heapq.heappush(heap, (-nxt / nxt_cost, serial, m, depth + 1, deeper, nxt_cost))
+        if self.block_s > 0.0 and picks:            # the rows' cost is a staircase: stop where it pays most
+            stop = best_stop(*base, [(len(mm), g, c) for mm, _, g, c in picks], self.block_s)
+            if stop < len(picks):
+                keep = [0] * len(adaptive)
+                for members, depth, _, _ in picks[:stop]:
+                    for i in members:
+                        keep[i] = depth
         return self._apply(adaptive, keep)
 
     def _apply(self, adaptive: list[ScheduledSeq], keep: list[int]) -> int:
@@ -393,13 +409,31 @@ def calibrated_policy(runner, max_num_seqs: int) -> GoodputPolicy:
             continue
     policy.calibrate(samples)
     fit = policy.cost.fit()
+    policy.block_s = row_block_step(runner, fit)
     if fit is None:
         log.warning("goodput policy: start-up calibration gave no usable step-cost fit (%d samples); "
                     "it will learn online", len(samples))
     else:
-        log.info("goodput policy calibrated on %d step sizes: step = %.2f ms + %.3f ms per verified token",
-                 len(samples), fit[0] * 1e3, fit[1] * 1e3)
+        log.info("goodput policy calibrated on %d step sizes: step = %.2f ms + %.3f ms per verified token, "
+                 "+ %.2f ms per block of %d rows begun", len(samples), fit[0] * 1e3, fit[1] * 1e3,
+                 policy.block_s * 1e3, ROW_BLOCK)
     return policy
+
+
+def row_block_step(runner, fit: tuple[float, float] | None) -> float:
+    """The extra seconds of a forward over ROW_BLOCK + 1 rows beyond one over ROW_BLOCK rows and the fit's
+    one more row (one sequence each, best of three): a bf16 CPU forward runs its linears in blocks of
+    ROW_BLOCK rows (1.3-2.2 ms more at 33 rows than at 32 on the embedded target), fp32 and CUDA do not
+    (~0). The trim then stops short of a block boundary where the rows past it do not pay for the step."""
+    if fit is None:
+        return 0.0
+    try:
+        at, past = (min(runner.time_verify_step(1, rows, CALIBRATION_CONTEXT) for _ in range(3))
+                    for rows in (ROW_BLOCK, ROW_BLOCK + 1))
+    except ValueError:      # a cache too small for it
+        return 0.0
+    step = past - at - fit[1]
+    return step if step > 2.0 * fit[1] else 0.0     # within the noise of a row or two: no staircase
 
 
 def own_drafter(request) -> str | None:
