@@ -104,6 +104,8 @@ class AcceptanceHistory:
 
     def is_collapsed(self, method: str, band: str | None = None) -> bool:
         """Whether auto should skip `method` for requests of `band` now (None: for any band)."""
+        if not self.collapsed_until:        # the common case, asked for every request and candidate
+            return False
         now = self.clock()
         bands = BANDS if band is None else (band,)
         return any(now < self.collapsed_until.get((method, b), -1.0) for b in bands)

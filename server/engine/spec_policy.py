@@ -199,16 +199,18 @@ class GoodputPolicy(DraftCosts):
         t0, t1 = fit if fit is not None else NOMINAL_COST
         num_seqs = max(num_seqs or len(requests), 1)
         base = (t0 + t1 * num_seqs) / num_seqs - t1        # base + t1 (1 + L): the request's share
-        first = [self.choose_method(r, k, n, base, len(requests), behind) for r, k, n in zip(requests, ks, lengths)]
+        memo: dict = {}         # what the second pass would compute again (kept drafter, acceptance estimates)
+        first = [self.choose_method(r, k, n, base, len(requests), behind, memo)
+                 for r, k, n in zip(requests, ks, lengths)]
         if len(requests) == 1 or all(m in LOOKUPS or m == "none" for m in first):
             return first            # the second pass only re-prices model drafters, none of them chosen
         groups = Counter(first)
-        return [self.choose_method(r, k, n, base, {m: groups[m] + (m != mine) for m in n}, behind)
+        return [self.choose_method(r, k, n, base, {m: groups[m] + (m != mine) for m in n}, behind, memo)
                 for r, k, n, mine in zip(requests, ks, lengths, first)]
 
     def choose_method(self, request, k: int, lengths: dict[str, int], base: float | None = None,
                       sharing: int | dict[str, int] | None = None,
-                      behind: Callable[[object, str], int] | None = None) -> str:
+                      behind: Callable[[object, str], int] | None = None, memo: dict | None = None) -> str:
         """`auto`: the candidate with the most expected tokens per second this step, or "none".
 
         lengths: method -> how many drafts it would verify (a context lookup knows, and has already
@@ -226,13 +228,18 @@ class GoodputPolicy(DraftCosts):
         rates higher. Of the model drafters, only the request's own (kept_drafter) is a candidate once it
         has drafted with one. The choice reads the context and past acceptance only, never this step's target,
         and no request's text depends on it: greedy and seeded (coupled) sampling emit the same tokens
-        whatever the drafts, unseeded sampling keeps the target's distribution.
+        whatever the drafts, unseeded sampling keeps the target's distribution. `memo`: a dict shared by
+        the calls of one step (choose_methods), which keeps what does not depend on the pricing.
         """
         band = band_of(request)
         fit = self.cost.fit()
         t0, t1 = fit if fit is not None else NOMINAL_COST
         t0 = t0 if base is None else base
-        drafter = self.kept_drafter(request, lengths)
+        memo = {} if memo is None else memo
+        rid = request.request_id
+        if (rid, None) not in memo:
+            memo[(rid, None)] = self.kept_drafter(request, lengths)
+        drafter = memo[(rid, None)]
         leave = self.leave_s(request, drafter, behind)
         if leave and sharing:               # the catch-up forward is shared by the drafter's group
             leave /= max(sharing.get(drafter, 1) if isinstance(sharing, dict) else sharing, 1)
@@ -244,7 +251,9 @@ class GoodputPolicy(DraftCosts):
                 continue
             share = sharing.get(method, 1) if isinstance(sharing, dict) else (sharing or 1)
             share = max(share, 1)
-            alpha = self.request_alpha(request, method, explore=True)
+            if (rid, method) not in memo:
+                memo[(rid, method)] = self.request_alpha(request, method, explore=True)
+            alpha = memo[(rid, method)]
             # only model drafters (a per-depth cost) catch up; a lookup reads the context as it is
             switch = self.catch_up_s(method, behind(request, method), steps_left(request, alpha, n)) \
                 if behind is not None and method in self.draft_step_s else leave
