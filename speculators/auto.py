@@ -4,7 +4,8 @@ The members are every other loaded method but `prediction` (it needs a request's
 `hybrid` (its lookup and its drafter are members themselves).
 Context lookups (suffix, ngram) draft first, in microseconds, so the choice knows whether they have a
 draft and how long it is (a lookup draft that another one's continues is offered at the longer length:
-continue_agreeing); a model drafter (draft, eagle3, eagle, mtp) may draft up to k. A chooser
+continue_agreeing; a sampled request whose drafter is in step with it skips them on most steps:
+spec_policy.skips_lookups); a model drafter (draft, eagle3, eagle, mtp) may draft up to k. A chooser
 then picks per request from those lengths and what the request and the server have accepted per method:
 the engine's goodput policy (server/engine/spec_policy.py `choose_methods`: expected tokens per second,
 from the measured step cost and draft cost per depth, a model drafter's forward shared by the requests
@@ -115,19 +116,27 @@ class AutoSpeculator(Speculator):
         return cls(ctx.loaded)
 
     def choose(self, requests: Sequence[SpecRequest], ks: Sequence[int], chooser: Chooser | None = None,
-               resting: Callable[[SpecRequest], bool] | None = None) -> list[str]:
+               resting: Callable[[SpecRequest], bool] | None = None,
+               no_lookups: Callable[[SpecRequest], bool] | None = None) -> list[str]:
         """The method each request drafts with this step ("none": plain decoding). Requests `resting` says
-        to leave alone plain-decode without running a lookup (the goodput policy's: recently cut ones)."""
+        to leave alone plain-decode without running a lookup (the goodput policy's: recently cut ones);
+        requests `no_lookups` says choose between the model drafters and none without running the lookups
+        (the policy's: sampled requests whose drafter is in step with them, on most steps)."""
         self._refresh()
         chooser = chooser or self.chooser
         live = [i for i, (r, k) in enumerate(zip(requests, ks)) if k > 0 and not (resting and resting(r))]
         reqs, live_ks = [requests[i] for i in live], [ks[i] for i in live]
+        looked = [j for j, r in enumerate(reqs) if not (no_lookups and no_lookups(r))]
         found: dict[str, list[list[int]]] = {}
         self.lookup_seconds = {}
         for m in self.lookups():
             start = time.perf_counter()
-            found[m] = self.members[m].propose(reqs, live_ks).token_ids if reqs else []
-            self.lookup_seconds[m] = (time.perf_counter() - start, len(reqs))
+            got = self.members[m].propose([reqs[j] for j in looked], [live_ks[j] for j in looked]).token_ids \
+                if looked else []
+            self.lookup_seconds[m] = (time.perf_counter() - start, len(looked))
+            found[m] = [[] for _ in reqs]
+            for j, ids in zip(looked, got):
+                found[m][j] = ids
         lengths = []
         for j, (req, k) in enumerate(zip(reqs, live_ks)):
             drafts = continue_agreeing({m: found[m][j] for m in found})

@@ -354,3 +354,35 @@ def test_over_http_the_response_shows_steps_per_chosen_method_and_metrics_label_
     assert grew["auto"] == 0                          # steps are booked under the method auto chose
     assert sum(grew.values()) == sum(u["num_draft_tokens"] for m, u in spec["by_method"].items()
                                      if m in ("ngram", "suffix"))
+
+
+def test_a_sampled_request_whose_drafter_is_in_step_skips_the_lookups_on_most_steps():
+    """At T > 0 a request whose model drafter drafted for it last step chooses between that drafter and
+    none without running the lookups, except on every RECHOOSE_EVERY-th step; greedy requests, and ones
+    that took a lookup or nothing last step, always run them. `choose` runs the lookups for the others."""
+    policy = GoodputPolicy()
+
+    def request(rid: str, temperature: float, steps: int) -> SimpleNamespace:
+        r = SimpleNamespace(request_id=rid, spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
+                            sampling_params=SamplingParams(temperature=temperature, max_tokens=64))
+        r.spec_stats.by_method["eagle3"] = [steps, 4 * steps, steps, 2 * steps]
+        return r
+    sampled, greedy = request("s", 0.8, 5), request("g", 0.0, 5)
+    assert policy.skips_lookups(sampled, "eagle3")
+    assert not policy.skips_lookups(request("s4", 0.8, spec_policy.RECHOOSE_EVERY * 2), "eagle3")
+    assert not policy.skips_lookups(greedy, "eagle3")
+    assert not policy.skips_lookups(sampled, "suffix") and not policy.skips_lookups(sampled, None)
+
+    seen: list[list[str]] = []
+
+    class Lookup(Speculator):
+        def propose(self, requests, ks):
+            seen.append([r.request_id for r in requests])
+            return DraftProposal([[7, 7] for _ in requests], [None] * len(requests))
+
+    auto = AutoSpeculator({"suffix": Lookup(), "eagle3": Speculator()})
+    got: list[dict[str, int]] = []
+    auto.chooser = lambda reqs, ks, lengths: got.extend(lengths) or ["eagle3"] * len(reqs)
+    assert auto.choose([sampled, greedy], [4, 4], no_lookups=lambda r: r.request_id == "s") == ["eagle3"] * 2
+    assert seen == [["g"]]
+    assert got == [{"suffix": 0, "eagle3": 4}, {"suffix": 2, "eagle3": 4}]

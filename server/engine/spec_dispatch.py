@@ -158,7 +158,9 @@ class SpecDispatcher:
         choices = auto_spec.choose([seqs[i].request for i in live], [seqs[i].num_draft_slots for i in live],
                                    partial(learner.choose_methods, num_seqs=len(seqs), behind=self._behind),
                                    partial(learner.resting, num_seqs=len(seqs),
-                                           lookups=auto_spec.lookups())) if live else []
+                                           lookups=auto_spec.lookups()),
+                                   lambda r: learner.skips_lookups(r, self._previous.get(r.request_id))) \
+            if live else []
         for m, (seconds, num_requests) in auto_spec.lookup_seconds.items() if live else ():
             learner.observe_lookup(m, seconds, num_requests)      # what resting weighs (trim: already paid)
         chosen = dict(zip(live, choices))
