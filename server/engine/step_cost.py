@@ -12,6 +12,8 @@ draft looked dearer beside it.
 """
 from __future__ import annotations
 
+from specserve.server.models.linear import BF16_ROW_BLOCK
+
 FIT_DECAY = 0.98          # per step, for the step-time regression
 MIN_FIT_STEPS = 16        # steps observed before the cost model is trusted
 MIN_SPREAD = 1.0          # variance of N (tokens^2) the regression needs to tell t1 from t0
@@ -20,6 +22,9 @@ PRIOR_SAMPLE_WEIGHT = 2.0  # steps' worth of evidence each start-up calibration 
 # to t1 ~ 0 ("one more token is free"), after which the policy never cuts. A quiet 2-core CPU measures
 # t1 / t0 ~ 0.045 in fp32; a GPU at small batch is far flatter, so the floor only catches a collapse.
 MIN_T1_RATIO = 1.0 / 64
+# step cost assumed by `auto` before the fit is usable: a CPU decode step where one more verified row
+# costs 5 %
+NOMINAL_COST = (1.0, 0.05)
 
 
 _STALE = object()
@@ -88,10 +93,10 @@ class StepCostModel:
         return t0, t1
 
 
-# Rows per block of the CPU bf16 linear (server/models/linear.py BF16_ROW_BLOCK): a forward over one row past a
+# A bf16 forward on CPU runs the linears in blocks of ROW_BLOCK rows (server/models/linear.py): one row past a
 # multiple of it runs one more block. Measured, bf16, the embedded target, one sequence: 31 rows 7.6 ms,
 # 32 rows 8.0, 33 rows 10.2, 34 rows 10.2; 64 rows 13.8, 65 rows 14.9. In fp32 no step: 14.7 / 14.5 ms at 32 / 33.
-ROW_BLOCK = 32
+ROW_BLOCK = BF16_ROW_BLOCK
 
 
 def blocks(rows: int, block: int = ROW_BLOCK) -> int:
@@ -112,4 +117,3 @@ def best_stop(base_rows: int, base_tokens: float, base_seconds: float, picks: li
         if rate > best_rate:
             best, best_rate = n, rate
     return best
-
