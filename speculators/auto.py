@@ -7,11 +7,11 @@ draft and how long it is (a lookup draft that another one's continues is offered
 continue_agreeing; a sampled request whose drafter is in step with it skips them on most steps:
 spec_policy.skips_lookups); a model drafter (draft, eagle3, eagle, mtp) may draft up to k. A chooser
 then picks per request from those lengths and what the request and the server have accepted per method:
-the engine's goodput policy (server/engine/spec_policy.py `choose_methods`: expected tokens per second,
+the engine's goodput policy (server/engine/method_choice.py `choose_methods`: expected tokens per second,
 from the measured step cost and draft cost per depth, a model drafter's forward shared by the requests
 choosing it), else `longest_lookup`. Only the chosen model
 drafter runs; the lookups' drafts are reused. Of the model drafters a request uses one, the first it took
-(spec_policy.own_drafter): the start-up probe's paired comparison, scaled by the level the server's traffic
+(method_choice.own_drafter): the start-up probe's paired comparison, scaled by the level the server's traffic
 shows, says which drafter suits the target (acceptance.AcceptanceHistory.rating), and one request in
 EXPLORE_EVERY takes the drafter with the least traffic so that the comparison keeps being measured on the
 server's own text; each step the request still chooses between that drafter, the lookups and none.

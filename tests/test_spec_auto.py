@@ -1,4 +1,4 @@
-"""`auto` (speculators/auto.py, spec_dispatch.py, spec_policy.choose_method): greedy output unchanged alone
+"""`auto` (speculators/auto.py, spec_dispatch.py, method_choice.choose_method): greedy output unchanged alone
 and mixed with other methods; the response books steps per chosen method; between a drafter that knows the
 answer and one that never does it picks the first; the acceptance-collapse signal warns once per window,
 is counted, and stops auto choosing the collapsed method."""
@@ -15,7 +15,7 @@ from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, 
 
 from specserve.sampling.params import SamplingParams
 from specserve.server.api.responses import SpeculationInfo
-from specserve.server.engine import acceptance, spec_policy
+from specserve.server.engine import acceptance, method_choice, spec_policy
 from specserve.server.engine.spec_policy import GoodputPolicy
 from specserve.server.engine.stats import StepStats
 from specserve.server.metrics import Metrics
@@ -259,7 +259,7 @@ def test_an_untried_drafter_is_explored_and_a_request_keeps_the_drafter_it_took(
 
 def _explorer_id(explores: bool) -> str:
     return next(f"r{i}" for i in range(1000)
-                if (zlib.crc32(f"r{i}".encode()) % spec_policy.EXPLORE_EVERY == 0) == explores)
+                if (zlib.crc32(f"r{i}".encode()) % method_choice.EXPLORE_EVERY == 0) == explores)
 
 
 def test_probed_drafters_keep_their_probe_ranking_when_hard_text_lowers_the_one_that_drafted_it():

@@ -52,14 +52,20 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-import zlib
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 from specserve.server.engine.acceptance import PRIOR_WEIGHT, AcceptanceHistory, band_of
-from specserve.server.engine.draft_costs import DraftCosts, steps_left
+from specserve.server.engine.draft_costs import DraftCosts
+from specserve.server.engine.method_choice import MethodChoice
 from specserve.server.engine.scheduler import ScheduledSeq
-from specserve.server.engine.step_cost import MIN_FIT_STEPS, MIN_T1_RATIO, ROW_BLOCK, StepCostModel, best_stop
+from specserve.server.engine.step_cost import (
+    MIN_FIT_STEPS,
+    MIN_T1_RATIO,
+    NOMINAL_COST,
+    ROW_BLOCK,
+    StepCostModel,
+    best_stop,
+)
 from specserve.speculators.auto import LOOKUPS
 
 __all__ = ["CALIBRATION_SHAPES", "MIN_FIT_STEPS", "MIN_T1_RATIO", "GoodputPolicy", "StepCostModel",
@@ -70,9 +76,6 @@ log = logging.getLogger(__name__)
 # (sequences, query tokens per sequence) timed at start-up: decode and verify shapes at a few batch sizes
 CALIBRATION_SHAPES = ((1, 1), (1, 3), (1, 5), (1, 7), (4, 1), (4, 5), (8, 1), (8, 5))
 CALIBRATION_CONTEXT = 128  # tokens before the verified ones in each calibration sequence
-# step cost assumed by `auto` before the fit is usable: a CPU decode step where one more verified row
-# costs 5 %
-NOMINAL_COST = (1.0, 0.05)
 # A request whose drafts were all cut (or for which `auto` chose none) PROBE_EVERY - 1 steps in a row drafts one
 # position: a cut request brings no evidence, so without a probe an estimate that fell low once (a
 # rejected first draft) would stay low for the rest of the request and, through the method's history,
@@ -90,12 +93,9 @@ _DRY_KEEP = 256           # requests the dry-step table keeps beyond those in th
 # methods whose acceptance follows the text, not the target: no collapse signal (acceptance.py)
 UNWATCHED = (*LOOKUPS, "hybrid", "prediction")
 EXPLORE_Z = 1.0           # `auto`: standard errors of a method's history added to rate one not yet tried
-EXPLORE_EVERY = 16        # `auto`: one request in this many takes the probed drafter with the least traffic
-EXPLORE_WITHIN = 0.85     # of those rated at least this x the best
-ABANDON_RATIO = 0.5       # `auto`: a request leaves its drafter when it accepts less than this x another's
 
 
-class GoodputPolicy(DraftCosts):
+class GoodputPolicy(MethodChoice, DraftCosts):
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.clock = clock
@@ -191,147 +191,7 @@ class GoodputPolicy(DraftCosts):
             alpha += EXPLORE_Z * (alpha * (1.0 - alpha) / (seen + PRIOR_WEIGHT)) ** 0.5
         return min(alpha, 0.999)
 
-    # -- deciding ------------------------------------------------------------------------------------
-    def choose_methods(self, requests: Sequence, ks: Sequence[int], lengths: list[dict[str, int]],
-                       num_seqs: int | None = None,
-                       behind: Callable[[object, str], int] | None = None) -> list[str]:
-        """`auto` for one step's requests: choose_method for each, priced inside the batch.
-
-        In a step of B sequences (num_seqs, all methods) a request's share of the step is (t0 + t1 B) / B,
-        and a model drafter's forward per depth is paid once by the requests that draft with it: a first
-        pass prices it as if every auto request of the step shared it, a second at the groups the first
-        formed. Example, B = 16, t0 = 12.6 ms, t1 = 0.57 ms, EAGLE-3 d = 2.6 ms: alone, a request pays the
-        full 2.6 ms per depth beside a 1.36 ms share of the step, and a weak lookup looks better; shared
-        by 12, 0.22 ms each. `behind(request, method)`: the rows a model drafter would first have to catch
-        the request up on (see choose_method).
-        """
-        fit = self.cost.fit()
-        t0, t1 = fit if fit is not None else NOMINAL_COST
-        num_seqs = max(num_seqs or len(requests), 1)
-        base = (t0 + t1 * num_seqs) / num_seqs - t1        # base + t1 (1 + L): the request's share
-        memo: dict = {}         # what the second pass would compute again (kept drafter, acceptance estimates)
-        first = [self.choose_method(r, k, n, base, len(requests), behind, memo)
-                 for r, k, n in zip(requests, ks, lengths)]
-        if len(requests) == 1 or all(m in LOOKUPS or m == "none" for m in first):
-            return first            # the second pass only re-prices model drafters, none of them chosen
-        groups = Counter(first)
-        return [self.choose_method(r, k, n, base, {m: groups[m] + (m != mine) for m in n}, behind, memo)
-                for r, k, n, mine in zip(requests, ks, lengths, first)]
-
-    def choose_method(self, request, k: int, lengths: dict[str, int], base: float | None = None,
-                      sharing: int | dict[str, int] | None = None,
-                      behind: Callable[[object, str], int] | None = None, memo: dict | None = None) -> str:
-        """`auto`: the candidate with the most expected tokens per second this step, or "none".
-
-        lengths: method -> how many drafts it would verify (a context lookup knows, and has already
-        drafted: 0 when nothing matches; a model drafter could draft up to k). Method m verifying L drafts
-        with acceptance a_m yields 1 + a_m + ... + a_m ** L tokens for a step of t0 + t1 (1 + L) + d_m L
-        seconds (d_m = 0 for a lookup, whose drafts are already paid for); each method is rated at its
-        best L <= its length, the depth the trim would keep, not at its longest. Plain decoding yields 1
-        token for t0 + t1. In a batch (choose_methods) t0 is the request's share of the step (`base`) and
-        d_m is split among the `sharing` requests (one count, or per method: the group it would join). A
-        model drafter that did not draft for the request last step first catches it up on the rows it
-        skipped (`behind`; a head reads them from its stash, a draft model runs them): that forward's
-        measured cost (catch_up_s) joins the step's cost, spread over the steps the request has left
-        (steps_left: a catch-up serves every later step; a request near its end does not switch). A
-        request that drafted nothing for PROBE_EVERY - 1 steps takes the best candidate even when none
-        rates higher. Of the model drafters, only the request's own (kept_drafter) is a candidate once it
-        has drafted with one. The choice reads the context and past acceptance only, never this step's target,
-        and no request's text depends on it: greedy and seeded (coupled) sampling emit the same tokens
-        whatever the drafts, unseeded sampling keeps the target's distribution. `memo`: a dict shared by
-        the calls of one step (choose_methods), which keeps what does not depend on the pricing.
-        """
-        band = band_of(request)
-        fit = self.cost.fit()
-        t0, t1 = fit if fit is not None else NOMINAL_COST
-        t0 = t0 if base is None else base
-        memo = {} if memo is None else memo
-        rid = request.request_id
-        if (rid, None) not in memo:
-            memo[(rid, None)] = self.kept_drafter(request, lengths)
-        drafter = memo[(rid, None)]
-        leave = self.leave_s(request, drafter, behind)
-        if leave and sharing:               # the catch-up forward is shared by the drafter's group
-            leave /= max(sharing.get(drafter, 1) if isinstance(sharing, dict) else sharing, 1)
-        best, best_rate = "none", 1.0 / (t0 + t1 + leave)
-        probe, probe_rate = "none", 0.0
-        for method, n in lengths.items():
-            n = min(n, k)
-            if n <= 0 or self.is_collapsed(method, band) or (method not in LOOKUPS and drafter not in (None, method)):
-                continue
-            share = sharing.get(method, 1) if isinstance(sharing, dict) else (sharing or 1)
-            share = max(share, 1)
-            if (rid, method) not in memo:
-                memo[(rid, method)] = self.request_alpha(request, method, explore=True)
-            alpha = memo[(rid, method)]
-            # only model drafters (a per-depth cost) catch up; a lookup reads the context as it is
-            switch = self.catch_up_s(method, behind(request, method), steps_left(request, alpha, n)) \
-                if behind is not None and method in self.draft_step_s else leave
-            fixed, per_depth = self.draft_cost(method)
-            rate = self._best_rate(alpha, n, t0, t1, per_depth / share,
-                                   (fixed + self.follow_up_s.get(method, 0.0)) / share + switch)
-            if rate > best_rate:
-                best, best_rate = method, rate
-            if rate > probe_rate:
-                probe, probe_rate = method, rate
-        return probe if best == "none" and self.probing(request) else best
-
-    def leave_s(self, request, drafter: str | None, behind: Callable[[object, str], int] | None) -> float:
-        """What a step without the request's own model drafter costs it later. A drafter in step with the
-        request (it drafted last step) skips the steps it is not chosen for and, when next chosen, first
-        catches up on them in a forward of its own (c0 + c1 * rows); staying costs its follow-up observe of
-        the step's rows instead (already in its rate). The difference is charged whole to the step that
-        leaves (a lookup or plain decoding), not spread over the steps the request has left like a first
-        catch-up: it is paid on every return. A head's catch-up costs about its follow-up (MTP 1.8 ms +
-        0.07 ms a row against 1.9 ms), so it leaves nearly free; the draft model, with no follow-up, pays
-        a 1.2 ms forward on each return beside a 10 ms step."""
-        if drafter is None or behind is None or drafter not in self.draft_step_s or behind(request, drafter):
-            return 0.0
-        return max(self.catch_up_s(drafter, 1) - self.follow_up_s.get(drafter, 0.0), 0.0)
-
-    def kept_drafter(self, request, lengths: dict[str, int]) -> str | None:
-        """The request's own drafter (own_drafter), None (free choice) while it is collapsed or while the
-        request accepts from it less than ABANDON_RATIO x what another candidate drafter is expected to
-        accept (a drafter that does not suit this request's text). A request that has not drafted with a
-        model drafter yet and is an explorer gets the one explorer() names."""
-        drafter, band = own_drafter(request), band_of(request)
-        if drafter is None:
-            return self.explorer(request, lengths)
-        if self.is_collapsed(drafter, band):
-            return None
-        others = [self.request_alpha(request, m) for m in lengths
-                  if m not in LOOKUPS and m != drafter and not self.is_collapsed(m, band)]
-        return None if others and self.request_alpha(request, drafter) < ABANDON_RATIO * max(others) else drafter
-
-    def explorer(self, request, lengths: dict[str, int]) -> str | None:
-        """The drafter an exploring request takes: one request in EXPLORE_EVERY (by a hash of its id, so the
-        same request always is or is not one) takes, of the candidate probed drafters rated within
-        EXPLORE_WITHIN of the best, the one with the least traffic in its band, so that each drafter's
-        traffic ratio (AcceptanceHistory.rating) keeps being measured on the server's own text. None for
-        the rest: they take the best rated. The probe replaces an upper confidence bound for probed
-        drafters: rated at their probe plus a bound, untried drafters took the first requests of a band,
-        one of them EAGLE-1 (probe 0.47, bound 0.60), which accepted 2 of 8 and plain-decoded 40 of its
-        79 steps."""
-        if zlib.crc32(request.request_id.encode()) % EXPLORE_EVERY:
-            return None
-        band = band_of(request)
-        rated = {m: self.history.rating(m, band) for m in lengths if m not in LOOKUPS}
-        rated = {m: r for m, r in rated.items() if r is not None and not self.is_collapsed(m, band)}
-        candidates = [m for m, r in rated.items() if r >= EXPLORE_WITHIN * max(rated.values(), default=0.0)]
-        if len(candidates) < 2:
-            return None
-        return min(candidates, key=lambda m: self.history.traffic.get((m, band), (0.0, 0.0))[1])
-
-    @staticmethod
-    def _best_rate(a: float, n: int, t0: float, t1: float, d: float, follow_up: float = 0.0) -> float:
-        """max over L in 1..n of (1 + a + ... + a ** L) / (t0 + t1 (1 + L) + d L + follow_up)."""
-        tokens, term, best = 1.0, 1.0, 0.0
-        for depth in range(1, n + 1):
-            term *= a
-            tokens += term
-            best = max(best, tokens / (t0 + t1 * (1 + depth) + d * depth + follow_up))
-        return best
-
+    # -- deciding: `auto`'s method (MethodChoice), then each request's depth ------------------------
     def trim(self, seqs: Sequence[ScheduledSeq], methods: Sequence[str] | None = None) -> int:
         """Lower num_draft_slots where drafting does not pay; returns how many requests were cut.
         methods: the method each seq drafts with this step (default its own; `auto` chose one)."""
@@ -453,16 +313,6 @@ def row_block_step(runner, fit: tuple[float, float] | None) -> float:
         return 0.0
     step = past - at - fit[1]
     return step if step > 2.0 * fit[1] else 0.0     # within the noise of a row or two: no staircase
-
-
-def own_drafter(request) -> str | None:
-    """The model drafter an `auto` request drafts with when it does not take a lookup: the one it drafted
-    with most, normally the first it chose (GoodputPolicy.kept_drafter). Which drafter suits the target is
-    the server's question, answered over many requests; per request, a few dozen noisy positions per
-    drafter at T = 0.8 had `auto` flip between drafters, each flip a catch-up forward, and accept fewer
-    tokens per step than its best drafter alone (1.72 against 2.2)."""
-    rows = [(row[0], m) for m, row in request.spec_stats.by_method.items() if m not in LOOKUPS and m != "none"]
-    return max(rows)[1] if rows else None
 
 
 def _adaptive(seq: ScheduledSeq) -> bool:
