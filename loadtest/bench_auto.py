@@ -8,9 +8,13 @@ untimed), `mixed` (repeated and fresh requests alternating) and the fresh `code_
 sets. Each prompt runs every arm back to back in a rotating order; an arm's speedup is none's summed
 seconds / its summed seconds over the same prompts. A fresh request gets a cache scope of its own
 (SpecParams.cache_scope), so no arm drafts from another arm's answer; the repeated ones share one.
-Batch 1 at T = 0 and T = 0.8 (seeded), then all prompts of a set at once (concurrency = their number)
-for none and auto. Last: suffix's propose cost with a 1M-token cross-request cache and its bytes per
-cached token. Greedy output is compared with plain in every pair (reported, not asserted).
+Batch 1 at T = 0 and T = 0.8 (seeded), then none, hybrid and auto at a concurrency of 16: the engine
+runs at most --concurrency requests at once (max_num_seqs) and is given --concurrent-requests of them
+(the set's prompts repeated), so a finished request's place is taken at once as a client at that
+concurrency would take it; --concurrent-requests 16 is one batch of 16 drained to its last request
+(its tail runs a few requests a step, which a speculating arm reaches sooner and sits in longer).
+Last: suffix's propose cost with a 1M-token cross-request cache and its bytes per cached token.
+Greedy output is compared with plain in every pair (reported, not asserted).
 """
 from __future__ import annotations
 
@@ -162,9 +166,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrent-sets", default="repeated,code_completion")
     ap.add_argument("--concurrent-rounds", type=int, default=2,
                     help="passes of every arm over each concurrent set, arm order alternating")
+    ap.add_argument("--concurrency", type=int, default=16, help="requests in flight in the concurrent sets")
+    ap.add_argument("--concurrent-requests", type=int, default=64,
+                    help="requests per arm and pass in the concurrent sets (at most --concurrency at once)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    eng = LLM(config=EngineConfig(model=args.model, kv_cache_memory_gb=0.5, suffix_scope="user"))
+    eng = LLM(config=EngineConfig(model=args.model, kv_cache_memory_gb=0.5, suffix_scope="user",
+                                  max_num_seqs=args.concurrency))
     sets, warm = workloads(eng, args.num_prompts, args.new_tokens)
     specs = arms(args.k, [m for m in args.extra_methods.split(",") if m])
     print(f"{args.num_prompts} prompts x {args.new_tokens} tokens, k = {args.k}, loaded: {eng.methods}")
@@ -183,11 +191,12 @@ def main(argv: list[str] | None = None) -> None:
                   f"({best}){'  greedy differs: ' + str(diffs) if diffs else ''}  [auto's steps: {mix}]",
                   flush=True)
     for name in [n for n in args.concurrent_sets.split(",") if n]:
-        work = sets[name] * max(1, 16 // len(sets[name]))
+        work = (sets[name] * args.concurrent_requests)[:max(args.concurrent_requests, 1)]
         ratio = concurrent(eng, warm, work, {"none": specs["none"], "hybrid k=4": specs["hybrid k=4"],
                                        "auto": specs["auto"]}, args.new_tokens, f"c-{name}",
                            args.concurrent_rounds)
-        print(f"concurrency {len(work)} {name}: " + ", ".join(f"{n} {v:.2f}x" for n, v in ratio.items()), flush=True)
+        cells = ", ".join(f"{n} {v:.2f}x" for n, v in ratio.items())
+        print(f"concurrency {min(args.concurrency, len(work))} ({len(work)} requests) {name}: {cells}", flush=True)
     hit, miss, per_token = propose_cost()
     print(f"suffix lookup at a 1M-token cache: {hit:.0f} µs (match + 8-token draft), {miss:.0f} µs (no match); "
           f"{per_token:.0f} bytes per cached token")

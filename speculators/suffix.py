@@ -26,8 +26,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
-
 from specserve.speculators.base import BuildContext, DraftProposal, SpecRequest, Speculator
 from specserve.speculators.suffix_index import MAX_MATCH, SEPARATOR, SuffixIndex
 from specserve.speculators.tree_shape import as_tree, merge_paths
@@ -40,6 +38,8 @@ _OPTIONS = {"min_token_prob": (MIN_TOKEN_PROB, 1e-6, 1.0), "spec_factor": (SPEC_
 
 
 def suffix_options(options: dict) -> tuple[float, float]:
+    if not options:                                    # the common case, once per request and step
+        return MIN_TOKEN_PROB, SPEC_FACTOR
     unknown = set(options) - set(_OPTIONS)
     if unknown:
         raise ValueError(f"unknown suffix speculation options {sorted(unknown)}; expected {sorted(_OPTIONS)}")
@@ -110,8 +110,7 @@ class SuffixSpeculator(Speculator):
         if k <= 0:
             return []
         local = self._context(req)
-        m = min(MAX_MATCH, local.end)
-        tail = local.tokens[np.arange(local.end - m, local.end) % local.capacity].astype(np.int64)   # [m]
+        tail = local.tail(MAX_MATCH)                                      # [<= MAX_MATCH] int64
         min_prob, factor = suffix_options(req.spec_params.options)
         out: list[tuple[list[int], float]] = []
         sid = self.scope_id(req)

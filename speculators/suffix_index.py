@@ -183,17 +183,26 @@ class SuffixIndex:
         self.scope[start:start + len(new)] = scope
         self.end = start + len(new)
         prefix, salt, mask = self._prefix, _salt(scope), int(self.mask)
-        head, prev = self.head, self.prev
+        levels = [(n, _BASE_POW[n], self.head[li], self.prev[li]) for li, n in enumerate(LEVELS)]   # row views
         for p, t in enumerate(new, start):
-            prefix.append((prefix[-1] * _BASE_INT + t + 2) & _M64)
+            h = (prefix[-1] * _BASE_INT + t + 2) & _M64
+            prefix.append(h)
             if t < 0:
                 self._last_sep = p
-            for li, n in enumerate(LEVELS):
+            for n, power, head, prev in levels:
                 if p - n < self._last_sep:                                # too few tokens, or spans a separator
                     continue
-                b = (((prefix[p + 1] - prefix[p + 1 - n] * _BASE_POW[n]) & _M64) ^ salt) & mask
-                prev[li, p] = head[li, b]
-                head[li, b] = p
+                b = (((h - prefix[p + 1 - n] * power) & _M64) ^ salt) & mask
+                prev[p] = head[b]
+                head[b] = p
+
+    def tail(self, m: int) -> np.ndarray:
+        """The last min(m, held) tokens ([T] int64), oldest first."""
+        m = min(m, self.size)
+        lo, hi = (self.end - m) % self.capacity, self.end % self.capacity
+        if m and lo < hi:                                                 # no wrap: a slice
+            return self.tokens[lo:hi].astype(np.int64)
+        return self.tokens[np.arange(self.end - m, self.end) % self.capacity].astype(np.int64)
 
     def end_hashes(self) -> dict[int, int]:
         """n -> the unsalted hash of the last n tokens, for the levels whose window the index holds without
@@ -293,19 +302,34 @@ class SuffixIndex:
         same = held & (self.tokens[idx % self.capacity] == tail[::-1][:m][None, :])
         return int(np.cumprod(same, axis=1).sum(axis=1).max())
 
+    def _following(self, ends: np.ndarray, max_len: int, limit: int) -> list[list[int]]:
+        """The max_len tokens after each end (SEPARATOR from `limit` on): slices of the ring for a few
+        candidates (numpy's per-call cost dominates there), one gather for many."""
+        cap = self.capacity
+        if len(ends) <= SHORT_CHAIN:
+            rows = []
+            for e in ends.tolist():
+                lo, hi = e + 1, min(e + 1 + max_len, limit)
+                if hi - 1 - lo >= cap - lo % cap:                        # wraps around the ring: gather
+                    break
+                got = self.tokens[lo % cap:lo % cap + max(hi - lo, 0)].tolist()
+                rows.append(got + [SEPARATOR] * (max_len - len(got)))
+            else:
+                return rows
+        idx = ends[:, None] + np.arange(1, max_len + 1)                   # [C, L]
+        return np.where(idx < limit, self.tokens[idx % cap], SEPARATOR).tolist()
+
     def continuation(self, found: Match, max_len: int, min_prob: float,
                      before: int | None = None) -> tuple[list[int], float]:
         """Follow the candidates: at each position the most frequent next token among those still agreeing,
         stopping when the path's probability (product of frequencies) falls below min_prob.
         Returns (draft ids, expected accepted tokens under those frequencies)."""
         limit = self.end if before is None else before
-        idx = found.ends[:, None] + np.arange(1, max_len + 1)             # [C, L]
-        table = np.where(idx < limit, self.tokens[idx % self.capacity], SEPARATOR)   # [C, L]
-        if (table == table[0]).all():                   # one continuation (or copies of it): frequency 1 throughout
-            first = table[0].tolist()
+        rows = self._following(found.ends, max_len, limit)                # [C][L]
+        if all(r == rows[0] for r in rows):             # one continuation (or copies of it): frequency 1 throughout
+            first = rows[0]
             out = first[:first.index(SEPARATOR)] if SEPARATOR in first else first
             return out, float(len(out))
-        rows = table.tolist()
         out: list[int] = []
         prob, expected = 1.0, 0.0
         for j in range(max_len):

@@ -396,3 +396,52 @@ def test_a_proposes_fixed_part_is_priced_once_not_per_depth():
         p.observe_propose("eagle3", 0.001 + 0.0012 * depth, depth)
     e0, e1 = p.draft_cost("eagle3")
     assert e0 == pytest.approx(0.001, rel=0.02) and e1 == pytest.approx(0.0012, rel=0.02)
+
+
+def _crowd(alphas: list[float]):
+    """16 auto requests whose only candidate is the draft model (4 ms a depth), on a 12.6 ms + 0.57 ms/row step."""
+    t0, t1 = 0.0126, 0.00057
+    p = fitted_policy(t0, t1)
+    p.observe_propose("draft", 0.004, 1)
+    reqs = [seq(f"r{i}", 8).request for i in range(len(alphas))]
+    by_id = {r.request_id: a for r, a in zip(reqs, alphas)}
+    p.request_alpha = lambda request, method, explore=False: by_id[request.request_id]
+    return p, reqs, t0 / len(reqs)
+
+
+def test_auto_prices_a_shared_drafter_at_the_group_that_really_forms():
+    """Priced as if the whole step shared it, the draft model draws 8 of 16 requests; priced at those 8, 4
+    stay; a two-pass choice stopped there and those 4 paid a forward that, split four ways, does not pay
+    for them. The passes go on until no choice changes: the result prices every request at its final group."""
+    from collections import Counter
+    p, reqs, base = _crowd([0.3 + 0.65 * i / 15 for i in range(16)])
+    lengths = [{"draft": 8}] * 16
+    first = [p.choose_method(r, 8, n, base, 16) for r, n in zip(reqs, lengths)]
+    groups = Counter(first)
+    second = [p.choose_method(r, 8, n, base, {"draft": groups["draft"] + (mine != "draft")})
+              for r, n, mine in zip(reqs, lengths, first)]
+    assert first.count("draft") == 8 and second.count("draft") == 4
+    assert [p.choose_method(r, 8, n, base, 4) for r, n, m in zip(reqs, lengths, second) if m == "draft"] \
+        == ["none"] * 4                                              # at 4 the forward does not pay
+    chosen = p.choose_methods(reqs, [8] * 16, lengths, num_seqs=16)
+    final = Counter(chosen)
+    assert [p.choose_method(r, 8, n, base, {"draft": final["draft"] + (m != "draft")})
+            for r, n, m in zip(reqs, lengths, chosen)] == chosen      # a fixed point
+    assert chosen == ["none"] * 16
+    # where the group pays at its own size, it forms and stays
+    p, reqs, base = _crowd([0.85] * 16)
+    assert p.choose_methods(reqs, [8] * 16, lengths, num_seqs=16) == ["draft"] * 16
+
+
+def test_a_probe_takes_a_model_drafter_only_where_its_forward_is_cheap_beside_the_step():
+    """A request that drafted nothing for PROBE_EVERY - 1 steps drafts one position. A lookup's probe costs a
+    row; a model drafter's a forward of its own: alone (a 13 ms step) the 4 ms forward is taken, in a step of
+    16 (a 1.4 ms share) it is not, and a lookup's draft is probed there instead."""
+    p, reqs, base = _crowd([0.3] * 16)
+    r = reqs[0]
+    p.dry[r.request_id] = PROBE_EVERY - 1
+    assert p.choose_method(r, 8, {"draft": 8}) == "draft"                        # batch 1
+    assert p.choose_method(r, 8, {"draft": 8}, base, 16) == "none"               # crowded
+    assert p.choose_method(r, 8, {"draft": 8, "ngram": 2}, base, 16) == "ngram"
+    p.dry[r.request_id] = 0
+    assert p.choose_method(r, 8, {"draft": 8, "ngram": 2}, base, 16) == "none"   # not probing: none pays most

@@ -313,6 +313,26 @@ def test_the_trim_stops_short_of_a_row_block_that_its_rows_do_not_pay_for():
     assert 16 < 16 + sum(s.num_draft_slots for s in c) <= 32
 
 
+def test_a_probe_waits_for_a_step_where_its_row_does_not_begin_a_row_block():
+    """A request cut for PROBE_EVERY - 1 steps drafts one position, unless that row would begin another row
+    block (bf16 CPU): at 32 rows the 33rd costs the block; at 31 it fits."""
+    p = fitted_policy(t0=0.010, t1=0.0002)
+    p.block_s = 0.0002 * 30
+
+    def step(others: int) -> int:
+        full = [seq(f"f{others}-{i}", 1) for i in range(others)]                  # decode rows, no drafts
+        for s in full:
+            s.num_draft_slots = 0
+        probe = seq(f"p{others}", 4, accepted=0, attempted=100)                  # cut: alpha ~0
+        p.dry[probe.request.request_id] = PROBE_EVERY - 1
+        p.trim([*full, probe])
+        return probe.num_draft_slots
+    assert step(31) == 0                         # 32 rows: a probe row would begin a second block
+    assert step(30) == 1                         # 31 rows: it fits in the first
+    p.block_s = 0.0
+    assert step(31) == 1                         # no staircase: the probe is a row like any other
+
+
 def test_the_row_block_step_is_timed_at_start_up_and_zero_where_the_cost_is_a_line():
     from types import SimpleNamespace
 
@@ -324,3 +344,27 @@ def test_the_row_block_step_is_timed_at_start_up_and_zero_where_the_cost_is_a_li
     assert row_block_step(runner(0.002), (0.005, 0.0002)) == pytest.approx(0.002)
     assert row_block_step(runner(0.0), (0.005, 0.0002)) == 0.0
     assert row_block_step(runner(0.002), None) == 0.0
+
+
+def test_a_drafter_whose_first_depth_alone_does_not_pay_keeps_the_run_of_depths_that_does():
+    """A model drafter's depth 1 carries its fixed part and its follow-up observe: 8 requests accepting 0.9
+    pay 8 rows + 2 ms + 20 ms for 7.2 tokens, below the step's own rate, while depths 1-4 together pay.
+    The trim takes the run of depths with the most tokens per second (a greedy per depth stopped at 0),
+    the best uniform depth by brute force."""
+    p = fitted_policy()
+    for i in range(32):
+        depth = 1 + i % 4
+        p.observe_propose("eagle3", 0.010 + 0.002 * depth, depth)
+    p.observe_follow_up("eagle3", 0.010)
+    e0, e1 = p.draft_cost("eagle3")
+    assert e0 == pytest.approx(0.010) and e1 == pytest.approx(0.002)
+    seqs = [seq(f"e{i}", 4, 90, 100, "eagle3") for i in range(8)]
+    alpha = p.request_alpha(seqs[0].request, "eagle3")
+
+    def rate(depth: int) -> float:
+        tokens = 8 * sum(alpha ** j for j in range(depth + 1))
+        drafting = (e0 + 0.010 + e1 * depth) if depth else 0.0
+        return tokens / (T0 + T1 * 8 * (1 + depth) + drafting)
+    assert 8 * alpha / (8 * T1 + e0 + e1 + 0.010) < rate(0)          # depth 1 alone is below the step's rate
+    p.trim(seqs)
+    assert {s.num_draft_slots for s in seqs} == {max(range(5), key=rate)} != {0}

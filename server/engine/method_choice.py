@@ -23,6 +23,12 @@ from specserve.speculators.auto import LOOKUPS
 
 EXPLORE_EVERY = 16        # `auto`: one request in this many takes the probed drafter with the least traffic
 EXPLORE_WITHIN = 0.85     # of those rated at least this x the best
+MAX_PASSES = 4            # `auto`: pricing passes over a step's requests (choose_methods)
+# A request that drafted nothing for PROBE_EVERY - 1 steps probes a model drafter only if the drafter's forward
+# for it alone costs at most this x the request's share of a step (so at most 1 / PROBE_EVERY more): in a full
+# step of 16 fresh code requests (share 0.6 ms) each probe of the draft model cost a 2.9 ms forward with its
+# catch-up, two requests a step probed, and 0.9 ms a step went on ~100 accepted tokens in 270 steps.
+PROBE_SHARE = 1.0
 ABANDON_RATIO = 0.5       # `auto`: a request leaves its drafter when it accepts less than this x another's
 
 
@@ -37,8 +43,11 @@ class MethodChoice:
         pass prices it as if every auto request of the step shared it, a second at the groups the first
         formed. Example, B = 16, t0 = 12.6 ms, t1 = 0.57 ms, EAGLE-3 d = 2.6 ms: alone, a request pays the
         full 2.6 ms per depth beside a 1.36 ms share of the step, and a weak lookup looks better; shared
-        by 12, 0.22 ms each. `behind(request, method)`: the rows a model drafter would first have to catch
-        the request up on (see choose_method).
+        by 12, 0.22 ms each. Passes repeat, each at the groups the last formed, until no choice changes
+        (at most MAX_PASSES): priced as if all 16 shared it, the draft model drew 1-2 requests of a full
+        step of fresh code, which then paid its whole 1.2 ms forward (and catch-ups) for a token or two;
+        a third pass prices it at the group it really has and they leave. `behind(request, method)`: the
+        rows a model drafter would first have to catch the request up on (see choose_method).
         """
         fit = self.cost.fit()
         t0, t1 = fit if fit is not None else NOMINAL_COST
@@ -47,11 +56,17 @@ class MethodChoice:
         memo: dict = {}         # what the second pass would compute again (kept drafter, acceptance estimates)
         first = [self.choose_method(r, k, n, base, len(requests), behind, memo)
                  for r, k, n in zip(requests, ks, lengths)]
-        if len(requests) == 1 or all(m in LOOKUPS or m == "none" for m in first):
-            return first            # the second pass only re-prices model drafters, none of them chosen
-        groups = Counter(first)
-        return [self.choose_method(r, k, n, base, {m: groups[m] + (m != mine) for m in n}, behind, memo)
-                for r, k, n, mine in zip(requests, ks, lengths, first)]
+        chosen = first
+        for _ in range(MAX_PASSES - 1):
+            if len(requests) == 1 or all(m in LOOKUPS or m == "none" for m in chosen):
+                return chosen       # a later pass only re-prices model drafters, none of them chosen
+            groups = Counter(chosen)
+            again = [self.choose_method(r, k, n, base, {m: groups[m] + (m != mine) for m in n}, behind, memo)
+                     for r, k, n, mine in zip(requests, ks, lengths, chosen)]
+            if again == chosen:
+                break
+            chosen = again
+        return chosen
 
     def choose_method(self, request, k: int, lengths: dict[str, int], base: float | None = None,
                       sharing: int | dict[str, int] | None = None,
@@ -70,7 +85,8 @@ class MethodChoice:
         measured cost (catch_up_s) joins the step's cost, spread over the steps the request has left
         (steps_left: a catch-up serves every later step; a request near its end does not switch). A
         request that drafted nothing for PROBE_EVERY - 1 steps takes the best candidate even when none
-        rates higher. Of the model drafters, only the request's own (kept_drafter) is a candidate once it
+        rates higher (a model drafter only where its forward is cheap beside the step: PROBE_SHARE). Of
+        the model drafters, only the request's own (kept_drafter) is a candidate once it
         has drafted with one. The choice reads the context and past acceptance only, never this step's target,
         and no request's text depends on it: greedy and seeded (coupled) sampling emit the same tokens
         whatever the drafts, unseeded sampling keeps the target's distribution. `memo`: a dict shared by
@@ -107,7 +123,10 @@ class MethodChoice:
                                    (fixed + self.follow_up_s.get(method, 0.0)) / share + switch)
             if rate > best_rate:
                 best, best_rate = method, rate
-            if rate > probe_rate:
+            # a probe drafts one position at its own cost, unshared: a lookup's row, or a model drafter's
+            # forward when that costs no more than the request's share of the step (see PROBE_SHARE)
+            if rate > probe_rate and (method in LOOKUPS or fixed + per_depth + self.follow_up_s.get(method, 0.0)
+                                      + switch <= PROBE_SHARE * (t0 + t1)):
                 probe, probe_rate = method, rate
         return probe if best == "none" and self.probing(request) else best
 
