@@ -305,6 +305,56 @@ def test_probed_drafters_keep_their_probe_ranking_when_hard_text_lowers_the_one_
     assert gap < 0.85 * 0.55 / 0.60
 
 
+def test_explorers_stop_trying_a_drafter_once_its_traffic_shows_it_cannot_rate_best():
+    """An explorer takes a drafter rated below the best while its traffic is too thin to rule it out (its
+    rating plus a standard error of its traffic ratio reaches the best); once it has drafted enough
+    positions on the server at the rating its probe gave it, explorers take the best drafter like the rest.
+    A drafter rated as high as the best stays worth exploring."""
+    history = acceptance.AcceptanceHistory()
+    history.set_probe("eagle3", "sampled", 240.4, 400.0)      # 0.60 and 0.55 once shrunk
+    history.set_probe("mtp", "sampled", 220.2, 400.0)
+    history.traffic[("eagle3", "sampled")] = [600.0, 1000.0]  # on traffic at its probe's level
+    policy = GoodputPolicy()
+    policy.history = history
+    lengths = {"eagle3": 4, "mtp": 4}
+    explorer = SimpleNamespace(request_id=_explorer_id(True), spec_params=SpecParams("auto", 4),
+                               spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.8))
+    assert policy.explorer(explorer, lengths) == "mtp"       # no traffic: it could still rate best
+    history.traffic[("mtp", "sampled")] = [165.0, 300.0]      # 0.55 a position, as probed
+    history._rated.clear()
+    assert history.rating("mtp", "sampled") / history.rating("eagle3", "sampled") == \
+        pytest.approx(0.55 / 0.60, rel=0.03)
+    assert policy.explorer(explorer, lengths) is None        # 300 positions: it cannot
+    history.set_probe("mtp", "sampled", 240.4, 400.0)        # probed as good as eagle3: explored again
+    assert policy.explorer(explorer, lengths) == "mtp"
+
+
+def test_a_request_whose_text_suits_no_drafter_expects_the_others_no_better_than_its_own():
+    """A probed drafter a request has not drafted with is expected at its server rating times how the
+    request's text suited the drafters it did use. A request accepting a third of what its drafter's
+    rating predicts no longer finds an untried drafter twice as good (it stays, or plain-decodes) where
+    it used to leave for each in turn; a request on easy text is not held back."""
+    history = acceptance.AcceptanceHistory()
+    history.set_probe("eagle3", "sampled", 240.4, 400.0)      # 0.60 and 0.55 once shrunk
+    history.set_probe("mtp", "sampled", 220.2, 400.0)
+    policy = GoodputPolicy()
+    policy.history = history
+    policy.cost.fit = lambda: (0.010, 0.0005)
+    policy.draft_step_s.update(eagle3=0.001, mtp=0.001)
+    lengths = {"eagle3": 4, "mtp": 4}
+    hard = SimpleNamespace(request_id=_explorer_id(False), spec_params=SpecParams("auto", 4),
+                           spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.8))
+    hard.spec_stats.by_method["eagle3"] = [30, 80, 12, 60]    # 0.2 a position where 0.6 was expected
+    level = policy.request_level(hard, "sampled")
+    assert level == pytest.approx((12 + 8) / (60 * 0.6 + 8), rel=0.01)
+    assert policy.request_alpha(hard, "mtp") == pytest.approx(0.55 * level, rel=0.01)
+    assert policy.kept_drafter(hard, lengths) == "eagle3"      # mtp is no longer 2x what it accepts
+    easy = SimpleNamespace(request_id=_explorer_id(False), spec_params=SpecParams("auto", 4),
+                           spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.8))
+    easy.spec_stats.by_method["eagle3"] = [30, 80, 54, 60]    # 0.9 a position
+    assert policy.request_alpha(easy, "mtp") > 0.55
+
+
 def test_leaving_a_drafter_in_step_is_charged_its_next_catch_up_beyond_its_follow_up():
     """A step without the request's own drafter makes it catch up when next chosen: a lookup that would
     win on its own acceptance is not taken while the drafter is in step and its catch-up costs more than
