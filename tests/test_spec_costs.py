@@ -313,6 +313,36 @@ def test_auto_prices_catching_a_request_up_by_the_rows_it_skipped():
     assert p.choose_method(huge, 8, lengths, behind=behind["far"]) == "eagle3"
 
 
+def test_a_catch_up_is_spread_over_no_more_steps_than_the_drafters_runs_have_lasted():
+    """A catch-up serves the steps the drafter then drafts in a row: where its runs for `auto` requests end
+    after a step or two (a lookup drafts between them), a return is priced at about the whole catch-up, not
+    spread over the request's remaining steps. The ledger hands each ended run to the policy."""
+    from specserve.server.engine.catch_up import CatchUpLedger
+    ledger = CatchUpLedger()
+    assert ledger.step("a", "eagle3") is None and ledger.step("a", "eagle3") is None
+    assert ledger.step("a", None) == ("eagle3", 2)                    # a lookup ended the run
+    assert ledger.step("a", "eagle3") is None
+    assert ledger.forget("a") == ("eagle3", 1) and ledger.forget("a") is None
+
+    p = fitted_policy()
+    p.observe_propose("eagle3", 0.001, 1)
+    alphas = {"eagle3": 0.8, "ngram": 0.6}
+    p.request_alpha = lambda request, method, explore=False: alphas[method]
+    for i in range(40):
+        rows = 1 + (i * 37) % 400
+        p.observe_catch_up("eagle3", 0.002 + 0.0002 * rows, rows)    # 2 ms + 0.2 ms per row
+    lengths = {"eagle3": 8, "ngram": 3}
+    r = seq("r", 8).request
+    behind = lambda request, method: 300 if method == "eagle3" else 0  # noqa: E731 (62 ms to catch up)
+    assert p.run_steps("eagle3", "greedy") is None
+    assert p.choose_method(r, 8, lengths, behind=behind) == "eagle3"  # spread over the request's steps
+    for steps in (1, 2, 1, 2):
+        p.observe_run("eagle3", steps, "greedy")
+    assert p.run_steps("eagle3", "greedy") == pytest.approx(1.5, rel=0.05)
+    assert p.choose_method(r, 8, lengths, behind=behind) == "ngram"   # priced over 1.5 steps
+    assert p.run_steps("eagle3", "sampled") is None                   # per band
+
+
 def test_the_ledger_counts_rows_a_drafter_skipped_since_it_last_drafted():
     from specserve.server.engine.catch_up import CatchUpLedger
     ledger = CatchUpLedger()
@@ -445,3 +475,24 @@ def test_a_probe_takes_a_model_drafter_only_where_its_forward_is_cheap_beside_th
     assert p.choose_method(r, 8, {"draft": 8, "ngram": 2}, base, 16) == "ngram"
     p.dry[r.request_id] = 0
     assert p.choose_method(r, 8, {"draft": 8, "ngram": 2}, base, 16) == "none"   # not probing: none pays most
+
+
+def test_the_best_depth_search_stops_at_the_first_fall_and_finds_the_same_best_as_every_depth():
+    """_best_rate ends its search where the rate first falls (tokens concave, cost linear in the depth): on
+    random acceptances, lengths and costs it gives the best over every depth."""
+    import random
+
+    from specserve.server.engine.method_choice import MethodChoice
+
+    def every_depth(a, n, t0, t1, d, follow_up):
+        tokens, term, best = 1.0, 1.0, 0.0
+        for depth in range(1, n + 1):
+            term *= a
+            tokens += term
+            best = max(best, tokens / (t0 + t1 * (1 + depth) + d * depth + follow_up))
+        return best
+    rng = random.Random(7)
+    for _ in range(5000):
+        args = (rng.random(), rng.randint(1, 12), rng.uniform(1e-4, 0.02), rng.uniform(0.0, 2e-3),
+                rng.uniform(0.0, 3e-3), rng.uniform(0.0, 3e-3))
+        assert MethodChoice._best_rate(*args) == pytest.approx(every_depth(*args), rel=1e-12)

@@ -16,6 +16,7 @@ from __future__ import annotations
 class CatchUpLedger:
     def __init__(self) -> None:
         self.seen: dict[str, dict[str, int]] = {}    # request id -> method -> num_tokens when it last drafted
+        self.runs: dict[str, list] = {}              # request id -> [model drafter, steps in a row it drafted]
 
     def behind(self, request, method: str, last: str | None) -> int:
         """Rows `method` must catch up before drafting for `request` (`last`: its method the step before)."""
@@ -26,6 +27,21 @@ class CatchUpLedger:
     def drafted(self, request, method: str) -> None:
         self.seen.setdefault(request.request_id, {})[method] = request.num_tokens
 
-    def forget(self, request_id: str) -> None:
-        """The request left the engine (finished, aborted or preempted for good)."""
+    def step(self, request_id: str, drafter: str | None) -> tuple[str, int] | None:
+        """Book which model drafter drafted for the request this step (None: a lookup or none); returns the
+        run it ended, (drafter, steps in a row), if any: the steps one catch-up served."""
+        run = self.runs.get(request_id)
+        if run is not None and run[0] == drafter:
+            run[1] += 1
+            return None
+        if drafter is None:
+            self.runs.pop(request_id, None)
+        else:
+            self.runs[request_id] = [drafter, 1]
+        return (run[0], run[1]) if run is not None else None
+
+    def forget(self, request_id: str) -> tuple[str, int] | None:
+        """The request left the engine (finished, aborted or preempted for good); returns its open run."""
         self.seen.pop(request_id, None)
+        run = self.runs.pop(request_id, None)
+        return (run[0], run[1]) if run is not None else None

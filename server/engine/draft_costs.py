@@ -25,6 +25,11 @@ MAX_DRAFT_RISE = 2.0
 # accepted 74 % of drafts at T = 0.8, and its 2 ms fixed part kept a request that once took a lookup on
 # lookups: auto's T = 0.8 tokens per step were 1.29 against the hybrid's 2.18.
 AMORTIZE_MAX_STEPS = 32
+# ... and at most the steps a catch-up has served on this server: the runs a model drafter drafts in a row for
+# an `auto` request, averaged over the last runs (RUN_DECAY per run). At T = 0 on prose, EAGLE-3 drafted runs
+# of 1.5 steps between lookup drafts: each return paid a 1.6 ms catch-up beside a 10 ms step, priced as if
+# spread over 32 steps, and `auto` with EAGLE-3 ran 1.71x plain decoding where it ran 1.84x without it.
+RUN_DECAY = 0.95
 
 
 class DraftCosts:
@@ -34,6 +39,7 @@ class DraftCosts:
         self.lookup_s: dict[str, float] = {}                  # lookup -> EMA seconds per request and step
         self.follow_up_s: dict[str, float] = {}               # model drafter -> EMA seconds of its observe
         self.catch_up: dict[str, StepCostModel] = {}          # model drafter -> catch-up s = c0 + c1 * rows
+        self.runs: dict[tuple[str, str], list[float]] = {}    # (drafter, band) -> decayed [steps, runs]
 
     def observe_propose(self, method: str, seconds: float, steps: int) -> None:
         """A model drafter's propose call: `steps` draft forwards (its depth) took `seconds`. A call whose
@@ -67,6 +73,17 @@ class DraftCosts:
         if rows > 0:
             self.catch_up.setdefault(method, StepCostModel()).observe(rows, seconds)
 
+    def observe_run(self, method: str, steps: int, band: str) -> None:
+        """An `auto` request's run with model drafter `method` ended after `steps` steps in a row."""
+        run = self.runs.setdefault((method, band), [0.0, 0.0])
+        run[0] = run[0] * RUN_DECAY + steps
+        run[1] = run[1] * RUN_DECAY + 1.0
+
+    def run_steps(self, method: str, band: str) -> float | None:
+        """The steps a run of `method` has lasted on average in `band` (None before the first run ended)."""
+        run = self.runs.get((method, band))
+        return run[0] / run[1] if run is not None and run[1] > 0 else None
+
     def catch_up_s(self, method: str, rows: int, steps: float = 1.0) -> float:
         """The price per step of catching a request up on `rows` rows, spread over `steps`: (c0 + c1 * rows)
         / steps once the fit has enough spread, else one draft forward (what a catch-up of a few rows
@@ -84,12 +101,14 @@ class DraftCosts:
             _ema(self.lookup_s, method, seconds / num_requests)
 
 
-def steps_left(request, alpha: float, n: int) -> float:
+def steps_left(request, alpha: float, n: int, run: float | None = None) -> float:
     """The steps `request` has left if it drafts n positions a step at acceptance alpha: its remaining
-    max_tokens over the expected tokens per step (1 + alpha + ... + alpha ** n), in 1..AMORTIZE_MAX_STEPS."""
+    max_tokens over the expected tokens per step (1 + alpha + ... + alpha ** n), in 1..AMORTIZE_MAX_STEPS,
+    and at most `run` (DraftCosts.run_steps) where given."""
     left = request.sampling_params.max_tokens - request.num_output_tokens
     per_step = (1.0 - alpha ** (n + 1)) / (1.0 - alpha)
-    return min(max(left / per_step, 1.0), float(AMORTIZE_MAX_STEPS))
+    cap = float(AMORTIZE_MAX_STEPS) if run is None else min(float(AMORTIZE_MAX_STEPS), run)
+    return min(max(left / per_step, 1.0), max(cap, 1.0))
 
 
 def _cost_ema(table: dict[str, float], key: str, value: float) -> None:

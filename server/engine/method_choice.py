@@ -116,7 +116,8 @@ class MethodChoice:
                 memo[(rid, method)] = self.request_alpha(request, method, explore=True)
             alpha = memo[(rid, method)]
             # only model drafters (a per-depth cost) catch up; a lookup reads the context as it is
-            switch = self.catch_up_s(method, behind(request, method), steps_left(request, alpha, n)) \
+            switch = self.catch_up_s(method, behind(request, method),
+                                     steps_left(request, alpha, n, self.run_steps(method, band))) \
                 if behind is not None and method in self.draft_step_s else leave
             fixed, per_depth = self.draft_cost(method)
             rate = self._best_rate(alpha, n, t0, t1, per_depth / share,
@@ -190,12 +191,17 @@ class MethodChoice:
 
     @staticmethod
     def _best_rate(a: float, n: int, t0: float, t1: float, d: float, follow_up: float = 0.0) -> float:
-        """max over L in 1..n of (1 + a + ... + a ** L) / (t0 + t1 (1 + L) + d L + follow_up)."""
+        """max over L in 1..n of (1 + a + ... + a ** L) / (t0 + t1 (1 + L) + d L + follow_up). Concave tokens
+        over a cost that grows linearly: the ratio rises to its peak and then falls, so the first fall ends
+        the search."""
         tokens, term, best = 1.0, 1.0, 0.0
         for depth in range(1, n + 1):
             term *= a
             tokens += term
-            best = max(best, tokens / (t0 + t1 * (1 + depth) + d * depth + follow_up))
+            rate = tokens / (t0 + t1 * (1 + depth) + d * depth + follow_up)
+            if rate <= best:
+                break
+            best = rate
         return best
 
 

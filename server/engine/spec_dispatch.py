@@ -105,6 +105,7 @@ class SpecDispatcher:
             if seq.num_draft_slots > 0:
                 groups.setdefault((methods[i], seq.request.spec_params.method == "auto"), []).append(i)
         self._drafted_methods = {method for method, _ in groups}
+        self._book_runs(seqs, methods)
         for (method, by_auto), idx in groups.items():
             ks = [seqs[i].num_draft_slots for i in idx]
             reqs = [seqs[i].request for i in idx]
@@ -140,6 +141,18 @@ class SpecDispatcher:
                     self._tree_ids.add(seqs[i].request.request_id)
         self._drain_refusals(stats)
         return drafts, probs
+
+    def _book_runs(self, seqs: list[ScheduledSeq], methods: list[str]) -> None:
+        """Each `auto` request's run with a model drafter (steps in a row it drafted): a run that ends
+        tells the policy how many steps one catch-up served (DraftCosts.observe_run)."""
+        for seq, method in zip(seqs, methods):
+            req = seq.request
+            if req.spec_params.method != "auto" or seq.num_new_tokens > 1:
+                continue
+            drafter = method if seq.num_draft_slots > 0 and drafts_per_depth(method) else None
+            ended = self.ledger.step(req.request_id, drafter)
+            if ended is not None:
+                self.learner.observe_run(*ended, band_of(req))
 
     def _drafter(self, method: str, by_auto: bool) -> Speculator:
         """The object whose drafting a propose for `method` runs (the hybrid's is its model drafter)."""
@@ -282,7 +295,9 @@ class SpecDispatcher:
         st.tokens_per_step.append(num_accepted + 1)
 
     def release(self, request: Request) -> None:
-        self.ledger.forget(request.request_id)
+        ended = self.ledger.forget(request.request_id)
+        if ended is not None:                   # its last run served the steps to the end
+            self.learner.observe_run(*ended, band_of(request))
         spec = self.speculators.get(request.spec_params.method)
         if spec is not None:
             spec.release(request)
