@@ -341,6 +341,21 @@ def test_a_catch_up_is_spread_over_no_more_steps_than_the_drafters_runs_have_las
     assert p.run_steps("eagle3", "greedy") == pytest.approx(1.5, rel=0.05)
     assert p.choose_method(r, 8, lengths, behind=behind) == "ngram"   # priced over 1.5 steps
     assert p.run_steps("eagle3", "sampled") is None                   # per band
+    # a request's own runs count beside the server's mean (RUN_PRIOR runs of it): a request whose text
+    # keeps the drafter for 30 steps at a time is priced for long runs on a server of short ones
+    long = seq("long", 8).request
+    for _ in range(4):
+        p.observe_run("eagle3", 30, "greedy", "long")
+    assert p.run_steps("eagle3", "greedy", "long") == pytest.approx((120 + 2 * p.run_steps("eagle3", "greedy"))
+                                                                     / 6, rel=1e-6)
+    assert p.choose_method(long, 8, lengths, behind=behind) == "eagle3"
+    short = seq("short", 8).request                                   # and the other way round
+    for _ in range(6):
+        p.observe_run("eagle3", 1, "greedy", "short")
+    assert p.run_steps("eagle3", "greedy", "short") < 4.0
+    assert p.choose_method(short, 8, lengths, behind=behind) == "ngram"
+    p.forget_runs("long")
+    assert p.run_steps("eagle3", "greedy", "long") == p.run_steps("eagle3", "greedy")
 
 
 def test_the_ledger_counts_rows_a_drafter_skipped_since_it_last_drafted():

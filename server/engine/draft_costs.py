@@ -30,6 +30,7 @@ AMORTIZE_MAX_STEPS = 32
 # of 1.5 steps between lookup drafts: each return paid a 1.6 ms catch-up beside a 10 ms step, priced as if
 # spread over 32 steps, and `auto` with EAGLE-3 ran 1.71x plain decoding where it ran 1.84x without it.
 RUN_DECAY = 0.95
+RUN_PRIOR = 2.0           # runs the server's mean counts for beside a request's own ended runs
 
 
 class DraftCosts:
@@ -40,6 +41,7 @@ class DraftCosts:
         self.follow_up_s: dict[str, float] = {}               # model drafter -> EMA seconds of its observe
         self.catch_up: dict[str, StepCostModel] = {}          # model drafter -> catch-up s = c0 + c1 * rows
         self.runs: dict[tuple[str, str], list[float]] = {}    # (drafter, band) -> decayed [steps, runs]
+        self.request_runs: dict[str, dict[str, list[int]]] = {}   # request id -> drafter -> [steps, runs]
 
     def observe_propose(self, method: str, seconds: float, steps: int) -> None:
         """A model drafter's propose call: `steps` draft forwards (its depth) took `seconds`. A call whose
@@ -73,16 +75,32 @@ class DraftCosts:
         if rows > 0:
             self.catch_up.setdefault(method, StepCostModel()).observe(rows, seconds)
 
-    def observe_run(self, method: str, steps: int, band: str) -> None:
+    def observe_run(self, method: str, steps: int, band: str, request_id: str | None = None) -> None:
         """An `auto` request's run with model drafter `method` ended after `steps` steps in a row."""
         run = self.runs.setdefault((method, band), [0.0, 0.0])
         run[0] = run[0] * RUN_DECAY + steps
         run[1] = run[1] * RUN_DECAY + 1.0
+        if request_id is not None:
+            own = self.request_runs.setdefault(request_id, {}).setdefault(method, [0, 0])
+            own[0] += steps
+            own[1] += 1
 
-    def run_steps(self, method: str, band: str) -> float | None:
-        """The steps a run of `method` has lasted on average in `band` (None before the first run ended)."""
+    def forget_runs(self, request_id: str) -> None:
+        self.request_runs.pop(request_id, None)
+
+    def run_steps(self, method: str, band: str, request_id: str | None = None) -> float | None:
+        """The steps a run of `method` lasts on average: the request's own ended runs, shrunk towards the
+        server's mean in `band` by RUN_PRIOR runs (None before any run ended). Per request because the text
+        sets it: on code EAGLE-3 ran 20-25 steps a request between lookup drafts, on prose runs of 1-2, and
+        a prose request priced at the server's mean after code kept paying short runs' catch-ups."""
         run = self.runs.get((method, band))
-        return run[0] / run[1] if run is not None and run[1] > 0 else None
+        server = run[0] / run[1] if run is not None and run[1] > 0 else None
+        own = self.request_runs.get(request_id, {}).get(method) if request_id is not None else None
+        if not own:
+            return server
+        if server is None:
+            return own[0] / own[1]
+        return (own[0] + RUN_PRIOR * server) / (own[1] + RUN_PRIOR)
 
     def catch_up_s(self, method: str, rows: int, steps: float = 1.0) -> float:
         """The price per step of catching a request up on `rows` rows, spread over `steps`: (c0 + c1 * rows)

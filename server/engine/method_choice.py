@@ -117,7 +117,7 @@ class MethodChoice:
             alpha = memo[(rid, method)]
             # only model drafters (a per-depth cost) catch up; a lookup reads the context as it is
             switch = self.catch_up_s(method, behind(request, method),
-                                     steps_left(request, alpha, n, self.run_steps(method, band))) \
+                                     steps_left(request, alpha, n, self.run_steps(method, band, rid))) \
                 if behind is not None and method in self.draft_step_s else leave
             fixed, per_depth = self.draft_cost(method)
             rate = self._best_rate(alpha, n, t0, t1, per_depth / share,

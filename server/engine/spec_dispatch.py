@@ -152,7 +152,7 @@ class SpecDispatcher:
             drafter = method if seq.num_draft_slots > 0 and drafts_per_depth(method) else None
             ended = self.ledger.step(req.request_id, drafter)
             if ended is not None:
-                self.learner.observe_run(*ended, band_of(req))
+                self.learner.observe_run(*ended, band_of(req), req.request_id)
 
     def _drafter(self, method: str, by_auto: bool) -> Speculator:
         """The object whose drafting a propose for `method` runs (the hybrid's is its model drafter)."""
@@ -298,6 +298,7 @@ class SpecDispatcher:
         ended = self.ledger.forget(request.request_id)
         if ended is not None:                   # its last run served the steps to the end
             self.learner.observe_run(*ended, band_of(request))
+        self.learner.forget_runs(request.request_id)
         spec = self.speculators.get(request.spec_params.method)
         if spec is not None:
             spec.release(request)
