@@ -345,7 +345,7 @@ def test_a_request_whose_text_suits_no_drafter_expects_the_others_no_better_than
     hard = SimpleNamespace(request_id=_explorer_id(False), spec_params=SpecParams("auto", 4),
                            spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.8))
     hard.spec_stats.by_method["eagle3"] = [30, 80, 12, 60]    # 0.2 a position where 0.6 was expected
-    level = policy.request_level(hard, "sampled")
+    level = policy.history.request_level(hard.spec_stats.by_method, "sampled")
     assert level == pytest.approx((12 + 8) / (60 * 0.6 + 8), rel=0.01)
     assert policy.request_alpha(hard, "mtp") == pytest.approx(0.55 * level, rel=0.01)
     assert policy.kept_drafter(hard, lengths) == "eagle3"      # mtp is no longer 2x what it accepts

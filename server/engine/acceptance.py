@@ -140,7 +140,22 @@ class AcceptanceHistory:
                 accepted += acc
                 expected += att * p
         raw = accepted / expected if expected > 0 else 1.0
-        return (accepted + LEVEL_WEIGHT) / (expected + LEVEL_WEIGHT), raw
+        return _shrunk_level(accepted, expected), raw
+
+    def request_level(self, by_method: dict[str, list], band: str) -> float:
+        """level() for one request (`by_method`: its SpecStats rows): what it accepted from the probed
+        drafters it drafted with over what their ratings predict for those positions, shrunk towards 1 by
+        LEVEL_WEIGHT. A probed drafter the request has not drafted with is expected at its rating times
+        this (GoodputPolicy.request_alpha): at T = 0.8 on an agentic turn where every drafter lost to plain
+        decoding, a request that left the draft model (3 of 23 accepted) met EAGLE-3 and MTP at their
+        server ratings, switched to each in turn and accepted 25 of 88."""
+        accepted = expected = 0.0
+        for method, row in by_method.items():
+            rating = self.rating(method, band) if row[3] else None
+            if rating is not None:
+                accepted += row[2]
+                expected += row[3] * rating
+        return _shrunk_level(accepted, expected)
 
     def rating(self, method: str, band: str) -> float | None:
         """A probed drafter's acceptance per position in `band` (see the module's description); None for a
@@ -182,3 +197,8 @@ class AcceptanceHistory:
             acc, att = self.slow.get((method, band), (0.0, 0.0))
             prior = (acc + PRIOR_WEIGHT * PRIOR_ALPHA) / (att + PRIOR_WEIGHT)
         return min((accepted + PRIOR_WEIGHT * prior) / (attempted + PRIOR_WEIGHT), 0.999)
+
+
+def _shrunk_level(accepted: float, expected: float) -> float:
+    """Accepted over expected positions, shrunk towards 1 by LEVEL_WEIGHT."""
+    return (accepted + LEVEL_WEIGHT) / (expected + LEVEL_WEIGHT)

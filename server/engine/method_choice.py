@@ -113,12 +113,9 @@ class MethodChoice:
             share = sharing.get(method, 1) if isinstance(sharing, dict) else (sharing or 1)
             share = max(share, 1)
             if (rid, method) not in memo:
-                memo[(rid, method)] = self.request_alpha(request, method, explore=True)
-            alpha = memo[(rid, method)]
-            # only model drafters (a per-depth cost) catch up; a lookup reads the context as it is
-            switch = self.catch_up_s(method, behind(request, method),
-                                     steps_left(request, alpha, n, self.run_steps(method, band, rid))) \
-                if behind is not None and method in self.draft_step_s else leave
+                memo[(rid, method)] = self._estimates(request, method, n, band, behind)
+            alpha, catch_up = memo[(rid, method)]
+            switch = leave if catch_up is None else catch_up
             fixed, per_depth = self.draft_cost(method)
             rate = self._best_rate(alpha, n, t0, t1, per_depth / share,
                                    (fixed + self.follow_up_s.get(method, 0.0)) / share + switch)
@@ -130,6 +127,20 @@ class MethodChoice:
                                       + switch <= PROBE_SHARE * (t0 + t1)):
                 probe, probe_rate = method, rate
         return probe if best == "none" and self.probing(request) else best
+
+    def _estimates(self, request, method: str, n: int, band: str,
+                   behind: Callable[[object, str], int] | None) -> tuple[float, float | None]:
+        """(acceptance estimate, catch-up per step or None) of `method` for the request: what choose_method
+        reads on every pass of a step whatever the pricing. Only model drafters (a per-depth cost) catch up;
+        a lookup reads the context as it is (None)."""
+        alpha = self.request_alpha(request, method, explore=True)
+        if behind is None or method not in self.draft_step_s:
+            return alpha, None
+        rows = behind(request, method)
+        if not rows:
+            return alpha, 0.0
+        return alpha, self.catch_up_s(method, rows, steps_left(request, alpha, n, self.run_steps(method, band,
+                                                                                                   request.request_id)))
 
     def leave_s(self, request, drafter: str | None, behind: Callable[[object, str], int] | None) -> float:
         """What a step without the request's own model drafter costs it later. A drafter in step with the

@@ -54,7 +54,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from specserve.server.engine.acceptance import LEVEL_WEIGHT, PRIOR_WEIGHT, AcceptanceHistory, band_of
+from specserve.server.engine.acceptance import PRIOR_WEIGHT, AcceptanceHistory, band_of
 from specserve.server.engine.draft_costs import DraftCosts
 from specserve.server.engine.method_choice import MethodChoice
 from specserve.server.engine.scheduler import ScheduledSeq
@@ -188,26 +188,11 @@ class GoodputPolicy(MethodChoice, DraftCosts):
             return self.alpha(method, row[2], row[3], band)
         alpha = self.alpha(method, 0, 0, band)
         if self.history.rating(method, band) is not None:
-            alpha *= self.request_level(request, band)
+            alpha *= self.history.request_level(stats.by_method, band)
         elif explore:                                                   # probed drafters: explorer()
             seen = self.history.attempted(method, band)
             alpha += EXPLORE_Z * (alpha * (1.0 - alpha) / (seen + PRIOR_WEIGHT)) ** 0.5
         return min(alpha, 0.999)
-
-    def request_level(self, request, band: str) -> float:
-        """How well the request's text suits the probed drafters: what it accepted from those it drafted with
-        over what their ratings predict for those positions, shrunk towards 1 by LEVEL_WEIGHT (the
-        server's traffic level, acceptance.AcceptanceHistory.level, for one request). A probed drafter the
-        request has not drafted with is expected at its rating times this: at T = 0.8 on an agentic turn
-        where every drafter lost to plain decoding, a request that left the draft model (3 of 23 accepted)
-        met EAGLE-3 and MTP at their server ratings, switched to each in turn and accepted 25 of 88."""
-        accepted = expected = 0.0
-        for method, row in request.spec_stats.by_method.items():
-            rating = self.history.rating(method, band) if row[3] else None
-            if rating is not None:
-                accepted += row[2]
-                expected += row[3] * rating
-        return (accepted + LEVEL_WEIGHT) / (expected + LEVEL_WEIGHT)
 
     # -- deciding: `auto`'s method (MethodChoice), then each request's depth ------------------------
     def trim(self, seqs: Sequence[ScheduledSeq], methods: Sequence[str] | None = None) -> int:
