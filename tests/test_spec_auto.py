@@ -1,12 +1,12 @@
 """`auto` (speculators/auto.py, spec_dispatch.py, method_choice.choose_method): greedy output unchanged alone
 and mixed with other methods; the response books steps per chosen method; between a drafter that knows the
 answer and one that never does it picks the first; the acceptance-collapse signal warns once per window,
-is counted, and stops auto choosing the collapsed method."""
+is counted, and stops auto choosing the collapsed method. Which model drafter a request takes:
+test_auto_drafters.py."""
 from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections.abc import Sequence
 from types import SimpleNamespace
 
@@ -15,7 +15,7 @@ from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, 
 
 from specserve.sampling.params import SamplingParams
 from specserve.server.api.responses import SpeculationInfo
-from specserve.server.engine import acceptance, method_choice, spec_policy
+from specserve.server.engine import acceptance, spec_policy
 from specserve.server.engine.spec_policy import GoodputPolicy
 from specserve.server.engine.stats import StepStats
 from specserve.server.metrics import Metrics
@@ -122,7 +122,6 @@ def test_auto_picks_the_drafter_that_drafts_well(dirs):
         assert "oracle" in steps.members and "garbage" in steps.members
 
 
-
 def test_the_hybrids_model_drafts_are_booked_under_its_drafter_too(dirs):
     """`auto` rates a drafter by the server's history of it; under the default method (the hybrid) that
     drafter's acceptance is booked under `hybrid` and under the drafter's own name."""
@@ -200,8 +199,6 @@ def test_choice_follows_expected_tokens_per_second():
     assert AutoSpeculator({}).choose([request], [0]) == ["none"]
 
 
-
-
 def test_a_lookup_draft_is_continued_by_a_longer_one_that_agrees_with_it():
     """Two lookups whose drafts agree predict the same text: the shorter one is offered at the longer one's
     length; drafts that differ anywhere in their overlap stay as they were."""
@@ -226,163 +223,6 @@ def test_a_lookup_draft_is_continued_by_a_longer_one_that_agrees_with_it():
     assert auto.choose([request], [4]) == ["suffix"]
     assert seen == [{"suffix": 4, "ngram": 4}]
     assert auto.drafts("suffix", [request], [4]).token_ids == [[4, 4, 9, 9]]
-
-
-def test_an_untried_drafter_is_explored_and_a_request_keeps_the_drafter_it_took():
-    """A drafter whose history is empty is rated at an upper confidence bound, so the server tries it; a
-    request then drafts with the model drafter it took (or a lookup, or none) and does not flip between
-    drafters on its own few noisy positions, unless its drafter accepts far less on it than another is
-    expected to or has collapsed."""
-    policy = GoodputPolicy()
-    for _ in range(300):
-        policy.observe_acceptance("eagle3", 4, 2, "sampled")      # 0.6 per position on the server
-    policy.draft_step_s.update(eagle3=0.002, draft=0.002)
-    request = SimpleNamespace(request_id="r", spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
-                              sampling_params=SamplingParams(temperature=0.8, max_tokens=64))
-    assert policy.request_alpha(request, "draft") == pytest.approx(acceptance.PRIOR_ALPHA)
-    assert policy.request_alpha(request, "draft", explore=True) > policy.request_alpha(request, "eagle3",
-                                                                                         explore=True)
-    lengths = {"eagle3": 4, "draft": 4, "ngram": 0}
-    assert policy.choose_method(request, 4, lengths) == "draft"                  # the untried one
-    rows = request.spec_stats.by_method
-    rows["draft"] = [6, 20, 5, 17]                                # it did poorly on this request
-    assert policy.request_alpha(request, "eagle3", explore=True) > policy.request_alpha(request, "draft")
-    assert policy.choose_method(request, 4, lengths) in ("draft", "none")         # no flip to eagle3
-    for _ in range(200):
-        policy.observe_acceptance("ngram", 4, 4, "sampled")
-    assert policy.choose_method(request, 4, {**lengths, "ngram": 4}) == "ngram"   # lookups stay open
-    rows["draft"] = [10, 40, 0, 30]                               # it does not suit this request at all
-    assert policy.choose_method(request, 4, lengths) == "eagle3"
-    rows["draft"] = [6, 20, 5, 17]
-    policy.is_collapsed = lambda method, band=None: method == "draft"
-    assert policy.choose_method(request, 4, lengths) == "eagle3"
-
-def _explorer_id(explores: bool) -> str:
-    return next(f"r{i}" for i in range(1000)
-                if (zlib.crc32(f"r{i}".encode()) % method_choice.EXPLORE_EVERY == 0) == explores)
-
-
-def test_probed_drafters_keep_their_probe_ranking_when_hard_text_lowers_the_one_that_drafted_it():
-    """Traffic histories are not paired: the drafter that met hard text looks worse than one that met
-    none. Rated by the probe scaled by the band's traffic level, the ranking survives; a drafter that does
-    worse than its probe says relative to the others on the same server falls; a request takes the best
-    rated drafter, and one in EXPLORE_EVERY the one with the least traffic."""
-    history = acceptance.AcceptanceHistory()
-    unprobed = acceptance.AcceptanceHistory()
-    for h in (history, unprobed):
-        h.observe("eagle3", 4, 3, "sampled")                 # the probe's own steps: cleared by set_probe
-    history.set_probe("eagle3", "sampled", 240.4, 400.0)      # 0.60 and 0.55 once shrunk
-    history.set_probe("mtp", "sampled", 220.2, 400.0)
-    for i in range(150):                                      # hard text, all of it drafted by eagle3
-        for h in (history, unprobed):
-            h.observe("eagle3", 4, i % 2, "sampled")          # 1 of 3 positions accepted
-    traffic = 1 / 3
-    assert unprobed.alpha("mtp", 0, 0, "sampled") > unprobed.alpha("eagle3", 0, 0, "sampled")   # confounded
-    e3, mtp = history.rating("eagle3", "sampled"), history.rating("mtp", "sampled")
-    assert e3 == pytest.approx(traffic, rel=0.08)
-    assert mtp / e3 == pytest.approx(0.55 / 0.60)                 # the probe's order and gap
-    assert history.alpha("mtp", 0, 0, "sampled") == pytest.approx(mtp)
-    assert history.rating("ngram", "sampled") is None and history.rating("mtp", "greedy") is None
-
-    policy = GoodputPolicy()
-    policy.history = history
-    policy.cost.fit = lambda: (0.010, 0.0005)
-    policy.draft_step_s.update(eagle3=0.001, mtp=0.001)
-    lengths = {"eagle3": 4, "mtp": 4, "ngram": 0}
-
-    def request(rid: str) -> SimpleNamespace:
-        return SimpleNamespace(request_id=rid, spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
-                               sampling_params=SamplingParams(temperature=0.8, max_tokens=64))
-    assert policy.choose_method(request(_explorer_id(False)), 4, lengths) == "eagle3"
-    assert policy.choose_method(request(_explorer_id(True)), 4, lengths) == "mtp"    # least traffic
-    explorer = request(_explorer_id(True))
-    explorer.spec_stats.by_method["eagle3"] = [5, 20, 10, 20]   # it drafts with one already: no exploring
-    assert policy.choose_method(explorer, 4, lengths) == "eagle3"
-
-    for i in range(300):                                      # mtp on the same server: 0.2 to eagle3's 1/3
-        history.observe("mtp", 4, 1 if i % 4 == 0 else 0, "sampled")
-    gap = history.rating("mtp", "sampled") / history.rating("eagle3", "sampled")
-    assert gap < 0.85 * 0.55 / 0.60
-
-
-def test_explorers_stop_trying_a_drafter_once_its_traffic_shows_it_cannot_rate_best():
-    """An explorer takes a drafter rated below the best while its traffic is too thin to rule it out (its
-    rating plus a standard error of its traffic ratio reaches the best); once it has drafted enough
-    positions on the server at the rating its probe gave it, explorers take the best drafter like the rest.
-    A drafter rated as high as the best stays worth exploring."""
-    history = acceptance.AcceptanceHistory()
-    history.set_probe("eagle3", "sampled", 240.4, 400.0)      # 0.60 and 0.55 once shrunk
-    history.set_probe("mtp", "sampled", 220.2, 400.0)
-    history.traffic[("eagle3", "sampled")] = [600.0, 1000.0]  # on traffic at its probe's level
-    policy = GoodputPolicy()
-    policy.history = history
-    lengths = {"eagle3": 4, "mtp": 4}
-    explorer = SimpleNamespace(request_id=_explorer_id(True), spec_params=SpecParams("auto", 4),
-                               spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.8))
-    assert policy.explorer(explorer, lengths) == "mtp"       # no traffic: it could still rate best
-    history.traffic[("mtp", "sampled")] = [165.0, 300.0]      # 0.55 a position, as probed
-    history._rated.clear()
-    assert history.rating("mtp", "sampled") / history.rating("eagle3", "sampled") == \
-        pytest.approx(0.55 / 0.60, rel=0.03)
-    assert policy.explorer(explorer, lengths) is None        # 300 positions: it cannot
-    history.set_probe("mtp", "sampled", 240.4, 400.0)        # probed as good as eagle3: explored again
-    assert policy.explorer(explorer, lengths) == "mtp"
-
-
-def test_a_request_whose_text_suits_no_drafter_expects_the_others_no_better_than_its_own():
-    """A probed drafter a request has not drafted with is expected at its server rating times how the
-    request's text suited the drafters it did use. A request accepting a third of what its drafter's
-    rating predicts no longer finds an untried drafter twice as good (it stays, or plain-decodes) where
-    it used to leave for each in turn; a request on easy text is not held back."""
-    history = acceptance.AcceptanceHistory()
-    history.set_probe("eagle3", "sampled", 240.4, 400.0)      # 0.60 and 0.55 once shrunk
-    history.set_probe("mtp", "sampled", 220.2, 400.0)
-    policy = GoodputPolicy()
-    policy.history = history
-    policy.cost.fit = lambda: (0.010, 0.0005)
-    policy.draft_step_s.update(eagle3=0.001, mtp=0.001)
-    lengths = {"eagle3": 4, "mtp": 4}
-    hard = SimpleNamespace(request_id=_explorer_id(False), spec_params=SpecParams("auto", 4),
-                           spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.8))
-    hard.spec_stats.by_method["eagle3"] = [30, 80, 12, 60]    # 0.2 a position where 0.6 was expected
-    level = policy.history.request_level(hard.spec_stats.by_method, "sampled")
-    assert level == pytest.approx((12 + 8) / (60 * 0.6 + 8), rel=0.01)
-    assert policy.request_alpha(hard, "mtp") == pytest.approx(0.55 * level, rel=0.01)
-    assert policy.kept_drafter(hard, lengths) == "eagle3"      # mtp is no longer 2x what it accepts
-    easy = SimpleNamespace(request_id=_explorer_id(False), spec_params=SpecParams("auto", 4),
-                           spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.8))
-    easy.spec_stats.by_method["eagle3"] = [30, 80, 54, 60]    # 0.9 a position
-    assert policy.request_alpha(easy, "mtp") > 0.55
-
-
-def test_leaving_a_drafter_in_step_is_charged_its_next_catch_up_beyond_its_follow_up():
-    """A step without the request's own drafter makes it catch up when next chosen: a lookup that would
-    win on its own acceptance is not taken while the drafter is in step and its catch-up costs more than
-    the follow-up it saves; once the drafter is behind anyway, or for a head whose follow-up costs what
-    its catch-up does, the lookup is taken."""
-    def setup(follow_up: float) -> tuple[GoodputPolicy, SimpleNamespace]:
-        policy = GoodputPolicy()
-        policy.cost.fit = lambda: (0.010, 0.0005)                 # a 10 ms step, 0.5 ms a verified row
-        policy.draft_step_s["draft"] = 0.002                      # its catch-up (no fit yet): one draft forward
-        policy.follow_up_s["draft"] = follow_up
-        policy.history.slow[("draft", "sampled")] = [600.0, 1000.0]
-        policy.history.slow[("ngram", "sampled")] = [380.0, 1000.0]
-        request = SimpleNamespace(request_id="r", spec_params=SpecParams("auto", 8), spec_stats=SpecStats(),
-                                  sampling_params=SamplingParams(temperature=0.8, max_tokens=64),
-                                  num_tokens=100, num_output_tokens=10)
-        request.spec_stats.by_method["draft"] = [6, 20, 12, 20]
-        return policy, request
-
-    lengths = {"draft": 8, "ngram": 8}
-    policy, request = setup(follow_up=0.0)
-    in_step, behind = (lambda r, m: 0), (lambda r, m: 5 if m == "draft" else 0)
-    assert policy.leave_s(request, "draft", in_step) == pytest.approx(0.002)
-    assert policy.choose_method(request, 8, lengths, behind=in_step) == "draft"
-    assert policy.leave_s(request, "draft", behind) == 0.0
-    assert policy.choose_method(request, 8, lengths, behind=behind) == "ngram"
-    policy, request = setup(follow_up=0.002)
-    assert policy.leave_s(request, "draft", in_step) == 0.0
-    assert policy.choose_method(request, 8, lengths, behind=in_step) == "ngram"
 
 
 def test_over_http_the_response_shows_steps_per_chosen_method_and_metrics_label_them(client, http):
