@@ -1,4 +1,4 @@
-"""Longest-suffix n-gram matching over token arrays (numpy, no Python loop over the context).
+"""Longest-suffix n-gram matching over token arrays (compiled with numba, or numpy: no Python loop over the context).
 
 `longest_match(source, tail, min_n, max_n)` finds the longest n in [min_n, max_n] such that the last
 n tokens of `tail` occur in `source`, and returns the index in `source` right after the chosen
@@ -11,6 +11,7 @@ Worked example: source = [5, 1, 2, 3, 9, 1, 2, 7], tail = [..., 1, 2], max_n 3:
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 
@@ -18,13 +19,34 @@ def longest_match(source: np.ndarray, tail: np.ndarray, min_n: int, max_n: int, 
     """source: [S] int64, tail: [T] int64. Returns the continuation start in source, or -1.
 
     Among occurrences of the longest match, prefer the latest one with >= `want` tokens after it
-    (recent context predicts best), else the latest one.
+    (recent context predicts best), else the latest one. One compiled pass from the end of source (a
+    request's lookup every step: 18-23 µs a request in numpy calls inside the engine, ~1 µs compiled).
     """
-    starts = match_starts(source, tail, min_n, max_n)
-    if len(starts) == 0:
+    if len(tail) == 0 or len(source) == 0 or max_n < 1:
         return -1
-    roomy = starts[starts + want <= len(source)]
-    return int(roomy[-1] if len(roomy) else starts[-1])
+    return _longest_match(source, tail, min_n, min(max_n, len(tail)), want)
+
+
+@numba.njit(cache=True, nogil=True)
+def _longest_match(source, tail, min_n, max_n, want):
+    size, last = source.shape[0], tail.shape[0] - 1
+    best_n, latest, roomy = 0, -1, -1
+    for i in range(size - 1, -1, -1):                   # latest first: the first of each length is the latest
+        if source[i] != tail[last]:
+            continue
+        n = 1
+        while n < max_n and i - n >= 0 and source[i - n] == tail[last - n]:
+            n += 1
+        fits = i + 1 + want <= size
+        if n > best_n:
+            best_n, latest, roomy = n, i + 1, (i + 1 if fits else -1)
+        elif n == best_n and roomy < 0 and fits:
+            roomy = i + 1
+        if best_n == max_n and roomy >= 0:              # nothing earlier can be longer or preferred
+            break
+    if best_n < min_n:
+        return -1
+    return roomy if roomy >= 0 else latest
 
 
 def match_starts(source: np.ndarray, tail: np.ndarray, min_n: int, max_n: int) -> np.ndarray:

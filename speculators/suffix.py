@@ -23,11 +23,10 @@ Options (request `speculation` object): min_token_prob (default 0.1), spec_facto
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from specserve.speculators.base import BuildContext, DraftProposal, SpecRequest, Speculator
-from specserve.speculators.suffix_index import MAX_MATCH, SEPARATOR, SuffixIndex
+from specserve.speculators.suffix_index import MAX_MATCH, SEPARATOR, SuffixIndex, warm
 from specserve.speculators.tree_shape import as_tree, merge_paths
 
 SCOPES = ("request", "user", "global")
@@ -67,6 +66,7 @@ class SuffixSpeculator(Speculator):
 
     @classmethod
     def build(cls, ctx: BuildContext) -> SuffixSpeculator:
+        warm()                                  # compiled (or loaded from numba's cache) at start-up
         return cls(ctx.suffix_cache_tokens, ctx.suffix_scope)
 
     @staticmethod
@@ -110,20 +110,16 @@ class SuffixSpeculator(Speculator):
         if k <= 0:
             return []
         local = self._context(req)
-        tail = local.tail(MAX_MATCH)                                      # [<= MAX_MATCH] int64
+        tail = local.tail(MAX_MATCH)                                      # [<= MAX_MATCH] int32
         min_prob, factor = suffix_options(req.spec_params.options)
         out: list[tuple[list[int], float]] = []
         sid = self.scope_id(req)
-        hashes = local.end_hashes()                                       # tail's hashes, for both lookups
-        enough = math.ceil(k / factor)                 # a match this long already drafts k: measured no further
         for index, scope in ((local, 0), (self.shared, sid)):
             if index is None or scope is None or (index is self.shared and scope not in self._scope_written):
                 continue
-            found = index.match(tail, scope, hashes=hashes, enough=enough)
-            if found is None:
-                continue
-            cap = min(k, max(1, int(factor * found.length)))
-            out.append(index.continuation(found, cap, min_prob))
+            draft = index.draft(tail, scope, k, factor, min_prob)
+            if draft[0]:
+                out.append(draft)
         return out
 
     def _context(self, req: SpecRequest) -> SuffixIndex:

@@ -4,6 +4,7 @@ scope's texts never draft for another; greedy output is unchanged at batch 1 and
 other methods; a repeated request drafts its earlier answer."""
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,10 +13,10 @@ from test_spec_draft_model import GREEDY, assert_no_leaks, encode, make_engine, 
 
 from specserve.sampling.params import SamplingParams
 from specserve.server.api.params import cache_scope
-from specserve.speculators import suffix_index
 from specserve.speculators.base import SpecParams
 from specserve.speculators.suffix import SuffixSpeculator
-from specserve.speculators.suffix_index import LEVELS, SEPARATOR, SMALL, SuffixIndex, _hash, _hash_one
+from specserve.speculators.suffix_index import LEVELS, MAX_MATCH, SEPARATOR, SuffixIndex
+from specserve.speculators.suffix_kernels import hash_window
 
 
 class FakeRequest(SimpleNamespace):
@@ -70,67 +71,109 @@ def test_bounded_memory_evicts_the_oldest_first():
     assert ix.match(recent[:8]).ends.tolist() == [ix.end - 21 + 7]
 
 
+def reference_match(index, tail, scope, enough=MAX_MATCH):
+    """The lookup by brute force over the held tokens: the longest level n whose last n tail tokens occur
+    (no separator, written by `scope`, a token after them), every such end newest first, and the longest
+    match among them measured up to min(len(tail), MAX_MATCH, enough)."""
+    held = {p: (int(index.tokens[p % index.capacity]), int(index.scope[p % index.capacity]))
+            for p in range(index.oldest, index.end)}
+    tail = [int(t) for t in tail]
+    for n in LEVELS:
+        if len(tail) < n:
+            continue
+        ends = [e for e in range(index.end - 2, index.oldest + n - 2, -1)
+                if held[e][1] == scope and [held[p][0] for p in range(e - n + 1, e + 1)] == tail[-n:]]
+        if not ends:
+            continue
+        if n >= enough:
+            return n, ends
+        m, best = min(len(tail), MAX_MATCH, enough), n
+        for e in ends:
+            got = n
+            while got < m and e - got in held and held[e - got][0] == tail[-1 - got]:
+                got += 1
+            best = max(best, got)
+        return best, ends
+    return None
+
+
+def reference_continuation(index, ends, max_len, min_prob):
+    rows = [[int(index.tokens[p % index.capacity]) if p < index.end else SEPARATOR
+             for p in range(e + 1, e + 1 + max_len)] for e in ends]
+    out, prob, expected = [], 1.0, 0.0
+    for j in range(max_len):
+        counts = Counter(r[j] for r in rows if r[j] != SEPARATOR)
+        if not counts:
+            break
+        top = max(counts.values())
+        prob *= top / len(rows)
+        if prob < min_prob:
+            break
+        token = next(r[j] for r in rows if counts.get(r[j]) == top)           # ties: the newest
+        out.append(token)
+        expected += prob
+        rows = [r for r in rows if r[j] == token]
+    return out, expected
+
+
 @pytest.mark.parametrize("capacity,growable", [(64, False), (1000, False), (16, True)])
-def test_token_by_token_appends_find_what_bulk_ones_find(capacity, growable, monkeypatch):
-    """A decode step appends a token or a few (the Python path); a finished answer many (numpy): the two
-    must hash and chain identically, through separators, eviction (capacity 64) and growth (16)."""
+def test_lookups_find_what_a_brute_force_search_finds(capacity, growable):
+    """Through separators, two scopes, eviction (capacity 64) and growth (16): the compiled chain walk finds
+    the longest match, all its occurrences and their most frequent continuation as a search of every held
+    position does; token-by-token appends (a decode step's) build the very same chains as bulk ones."""
     rng = np.random.default_rng(capacity)
-    chunks = []
-    for _ in range(40):
-        chunk = rng.integers(0, 12, int(rng.integers(1, 3 * SMALL))).tolist()
-        chunks.append(chunk + ([-1] if rng.random() < 0.2 else []))
     bulk, single = SuffixIndex(capacity, growable), SuffixIndex(capacity, growable)
-    for chunk in chunks:
-        bulk.extend(chunk, 3)
+    for _ in range(40):
+        chunk = rng.integers(0, 12, int(rng.integers(1, 40))).tolist() + ([-1] if rng.random() < 0.2 else [])
+        scope = 3 if growable else int(rng.integers(3, 5))
+        bulk.extend(chunk, scope)
         for token in chunk:
-            single.extend([token], 3)
+            single.extend([token], scope)
     assert bulk.capacity == single.capacity and np.array_equal(bulk.tokens, single.tokens)
     if bulk.end <= bulk.capacity:     # nothing evicted: the very same chains (with eviction, a bulk append skips
         assert np.array_equal(bulk.head, single.head) and np.array_equal(bulk.prev, single.prev)   # dead windows)
-    tails = [rng.integers(0, 12, int(rng.integers(2, 40))) for _ in range(200)]
+    else:                             # ... and the lookups still agree
+        for tail in (rng.integers(0, 12, 40) for _ in range(100)):
+            a, b = (index.match(tail, 3) for index in (bulk, single))
+            assert (a is None) == (b is None)
+            assert a is None or (a.length, a.ends.tolist()) == (b.length, b.ends.tolist())
+    found = 0
+    for _ in range(300):
+        tail = rng.integers(0, 12, int(rng.integers(2, 70)))
+        scope = 3 if growable else int(rng.integers(3, 5))
+        enough, k, min_prob = int(rng.integers(2, 70)), int(rng.integers(1, 9)), float(rng.choice([0.01, 0.2, 0.5]))
+        want = reference_match(bulk, tail, scope, enough)
+        got = bulk.match(tail, scope, enough=enough)
+        assert (None if got is None else (got.length, got.ends.tolist())) == want
+        if want is None:
+            assert bulk.draft(tail, scope, k, 1.0, min_prob) == ([], 0.0)
+            continue
+        found += 1
+        draft, expected = bulk.continuation(got, k, min_prob)
+        ref_draft, ref_expected = reference_continuation(bulk, want[1], k, min_prob)
+        assert draft == ref_draft and expected == pytest.approx(ref_expected)
+        full = reference_match(bulk, tail, scope, int(np.ceil(k / 0.5)))           # draft(): cap from the match
+        cap = min(k, max(1, int(0.5 * full[0])))
+        ref = reference_continuation(bulk, full[1], cap, min_prob)
+        draft, expected = bulk.draft(tail, scope, k, 0.5, min_prob)
+        assert draft == ref[0] and expected == pytest.approx(ref[1])
+    assert found > 50
 
-    def matches(index):
-        return [None if m is None else (m.length, m.ends.tolist()) for m in map(index.match, tails, [3] * 200)]
-    found = matches(bulk)
-    assert found == matches(single) and sum(m is not None for m in found) > 20
-    monkeypatch.setattr(suffix_index, "SHORT_CHAIN", 0)              # every chain checked with numpy
-    assert matches(bulk) == found
-    for walk in (suffix_index.SHORT_WALK, 0):                        # 0: every length measured with numpy
-        monkeypatch.setattr(suffix_index, "SHORT_WALK", walk)
-        assert matches(bulk) == found
-        for tail, full in zip(tails, found):                         # measured only up to `enough`
-            short = bulk.match(tail, 3, enough=8)
-            if full is not None:
-                assert short.ends.tolist() == full[1]
-                assert short.length == full[0] if full[0] < 8 else short.length >= 8
-    windows = rng.integers(-1, 9000, (8, LEVELS[0]))
-    for n in LEVELS:
-        assert _hash(windows[:, -n:], n, 7).tolist() == [_hash_one(w[-n:].tolist(), n, 7) for w in windows]
 
-
-def test_a_growable_index_hashes_its_own_end_as_a_lookup_would():
-    """A request's index keeps prefix hashes: the hashes of its last n tokens (end_hashes) equal hashing the
-    windows, and a lookup given them finds what one hashing its tail finds, in the index and in another."""
-    rng = np.random.default_rng(5)
-    own, other = SuffixIndex(16, growable=True), SuffixIndex(4096)
-    other.extend(rng.integers(0, 6, 3000).tolist() + [-1], 2)
-    checked = found = 0
-    for _ in range(120):
-        own.extend(rng.integers(0, 6, int(rng.integers(1, 2 * SMALL))).tolist() + ([-1] if rng.random() < 0.1 else []))
-        tail = own.tokens[max(0, own.end - 64):own.end].astype(np.int64)
-        hashes = own.end_hashes()
-        clean = tail[np.flatnonzero(tail < 0)[-1] + 1:] if (tail < 0).any() else tail
-        assert sorted(hashes) == sorted(n for n in LEVELS if n <= len(clean))
-        for n, h in hashes.items():
-            assert h == _hash_one(tail[-n:].tolist(), n, 0)               # scope 0: no salt
-        for index, scope in ((own, 0), (other, 2)):
-            plain, fast = index.match(tail, scope), index.match(tail, scope, hashes=hashes)
-            assert (plain is None) == (fast is None)
-            if plain is not None:
-                assert (plain.length, plain.ends.tolist()) == (fast.length, fast.ends.tolist())
-                found += 1
-            checked += 1
-    assert found > checked // 2
+def test_the_compiled_hash_is_the_documented_one():
+    """Every window is pushed on the chain of the bucket its hash (suffix_kernels.hash_window) names."""
+    index = SuffixIndex(256)
+    text = np.random.default_rng(2).integers(0, 50_000, 100).tolist()
+    index.extend(text, 7)
+    mask = int(index.mask)
+    for li, n in enumerate(LEVELS):
+        for end in (n - 1, 50, 99):
+            bucket = hash_window(text[end - n + 1:end + 1], n, 7) & mask
+            chain, p = [], int(index.head[li, bucket])
+            while p >= 0:
+                chain.append(p)
+                p = int(index.prev[li, p])
+            assert end in chain
 
 
 def test_growable_index_keeps_everything():
@@ -213,19 +256,17 @@ def test_greedy_equals_plain_alone_and_mixed_with_other_methods(engine):
     assert_no_leaks(engine)
 
 
-@pytest.mark.parametrize("short_chain", [8, 0])
-def test_a_bucket_shared_with_another_scope_never_matches_its_text(short_chain, monkeypatch):
-    """Scopes salt the hash, but buckets can still collide: the scope of each candidate is checked, in the
-    Python check of short chains and in the numpy one."""
-    monkeypatch.setattr(suffix_index, "SHORT_CHAIN", short_chain)
+def test_a_bucket_shared_with_another_scope_never_matches_its_text():
+    """Scopes salt the hash, but buckets can still collide: the scope of each candidate is checked too."""
     text = [5, 6, 7, 8]
     index = SuffixIndex(64)
     mask = int(index.mask)
     other = next(s for s in range(2, 10_000)
-                 if _hash_one(text[-2:], 2, s) & mask == _hash_one(text[-2:], 2, 1) & mask)
+                 if hash_window(text[-2:], 2, s) & mask == hash_window(text[-2:], 2, 1) & mask)
     index.extend([*text, 9, SEPARATOR], other)          # the other scope's copy, in the same bucket
     index.extend([*text, 4, SEPARATOR], 1)
     found = index.match(np.asarray([7, 8]), 1)
     assert found is not None and found.ends.tolist() == [index.end - 3]
     assert index.continuation(found, 1, 0.1)[0] == [4]
     assert index.match(np.asarray([7, 8]), other).ends.tolist() == [3]
+    assert index.draft(np.asarray([7, 8]), 1, 1, 1.0, 0.1)[0] == [4]
