@@ -39,7 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048     # token budget per step (prefill chunks + decode + drafts)
     max_speculative_tokens: int = 8        # upper bound on k a request may ask for
     # server default for requests without a `speculation` field; None = the best loaded method
-    # (registry.default_speculation: hybrid when a model drafter is loaded, else ngram; k = 4)
+    # (registry.default_speculation: auto, k = 8)
     speculation: SpecParams | None = None
     speculation_policy: str = "goodput"    # goodput = draft only the positions that raise tokens/s; fixed = all k
     # start-up acceptance probe: new tokens each model drafter drafts on built-in texts before the first

@@ -83,24 +83,23 @@ def registered(entry: Method) -> Iterator[Method]:
         _index()
 
 
-# The server default when `--speculation` is not given: the first of these that is loaded, with k = DEFAULT_K
-# (capped by --max-speculative-tokens). Measured on the embedded family, docs/benchmarks.md: hybrid (lookup
-# where the context repeats, else a model drafter) was the best or within noise of the best method at
-# batch 1 and at concurrency 16 under the goodput policy; ngram is what every server has.
-DEFAULT_PREFERENCE = ("hybrid", "ngram")
-DEFAULT_K = 4
+# The server default when `--speculation` is not given: the first of these that is loaded, with its k (capped by
+# --max-speculative-tokens). Measured on the embedded family (docs/benchmarks.md, "2026-12-06 — ... the suffix
+# index compiled; `auto` the default"): `auto` k = 8 ran at or above hybrid k = 4, the default before it, on every
+# prompt set at batch 1 (T = 0 and 0.8) and at concurrency 16 (where hybrid ran 0.87-1.07x plain decoding and
+# auto 1.00-1.71x). hybrid and ngram stay for engines a plugin built without `auto`.
+DEFAULT_PREFERENCE = (("auto", 8), ("hybrid", 4), ("ngram", 4))
 
 
 def default_speculation(loaded: Sequence[str], max_k: int) -> SpecParams:
     """What a request without a `speculation` field gets when the server was given no default.
 
-    Example: loaded ["none", "ngram", "prediction", "eagle3", "hybrid"], max_k 8 -> hybrid, k = 4;
-    loaded ["none", "ngram", "prediction"] -> ngram, k = 4; max_k 0 -> none.
+    Example: loaded ["none", "ngram", "prediction", "eagle3", "hybrid", "auto"], max_k 8 -> auto, k = 8;
+    max_k 2 -> auto, k = 2; loaded ["none", "ngram", "prediction"] -> ngram, k = 4; max_k 0 -> none.
     """
-    k = min(DEFAULT_K, max_k)
-    for method in DEFAULT_PREFERENCE:
-        if method in loaded and k > 0:
-            return SpecParams(method=method, num_speculative_tokens=k)
+    for method, k in DEFAULT_PREFERENCE:
+        if method in loaded and min(k, max_k) > 0:
+            return SpecParams(method=method, num_speculative_tokens=min(k, max_k))
     return SpecParams()
 
 

@@ -22,8 +22,8 @@ def test_chat_completion_shape_and_usage(client, hf_tokenizer):
     assert choice.finish_reason == "length"
     assert r.usage.prompt_tokens == template_len(hf_tokenizer, MESSAGES)
     assert r.usage.completion_tokens == 6
-    spec = r.model_extra["speculation"]      # the server default: no drafter loaded, so ngram k = 4
-    assert (spec["method"], spec["num_speculative_tokens"]) == ("ngram", 4)
+    spec = r.model_extra["speculation"]      # the server default
+    assert (spec["method"], spec["num_speculative_tokens"]) == ("auto", 8)
 
 
 def test_chat_content_parts_and_developer_role(client, hf_tokenizer):

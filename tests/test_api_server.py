@@ -22,7 +22,7 @@ def test_speculators(http):
     body = http.get("/v1/speculators").json()
     methods = {entry["method"]: entry["max_num_speculative_tokens"] for entry in body["data"]}
     assert methods["none"] == 0 and "ngram" in methods
-    assert body["default"]["method"] == "ngram"        # the best loaded method: no drafter on this server
+    assert body["default"]["method"] == "auto"         # chooses among the loaded methods per step
 
 
 def test_health(http):
@@ -88,7 +88,7 @@ def test_the_ready_banner_names_the_url_model_default_and_a_working_curl(servers
     import shlex
     log = servers["default"].log_path.read_text()
     banner = next(line for line in log.splitlines() if line.startswith("specserve ready at "))
-    assert f"{server_url}/v1" in banner and "default speculation: ngram, k = 4" in banner
+    assert f"{server_url}/v1" in banner and "default speculation: auto, k = 8" in banner
     curl = shlex.split(next(line for line in log.splitlines() if line.strip().startswith("curl ")))
     url, body = curl[1], json.loads(curl[curl.index("-d") + 1])
     assert re.fullmatch(rf"{re.escape(server_url)}/v1/completions", url)

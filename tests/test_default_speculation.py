@@ -34,10 +34,12 @@ def test_a_loaded_default_builds_and_serves(tiny_model_dir):
 # ---- without --speculation: the best loaded method ------------------------------------------------
 
 @pytest.mark.parametrize("loaded,max_k,expected", [
-    (["none", "ngram", "prediction", "eagle3", "mtp", "draft", "hybrid"], 8, ("hybrid", 4)),
+    (["none", "ngram", "prediction", "eagle3", "mtp", "draft", "hybrid", "suffix", "auto"], 8, ("auto", 8)),
+    (["none", "ngram", "prediction", "suffix", "auto"], 2, ("auto", 2)),
+    (["none", "ngram", "prediction", "eagle3", "hybrid"], 8, ("hybrid", 4)),       # an engine without auto
     (["none", "ngram", "prediction"], 8, ("ngram", 4)),
     (["none", "ngram", "prediction", "hybrid"], 2, ("hybrid", 2)),
-    (["none", "ngram"], 0, ("none", 0)),
+    (["none", "ngram", "auto"], 0, ("none", 0)),
 ])
 def test_the_default_is_the_best_loaded_method(loaded, max_k, expected):
     from specserve.speculators.registry import default_speculation
@@ -45,28 +47,32 @@ def test_the_default_is_the_best_loaded_method(loaded, max_k, expected):
     assert (spec.method, spec.k) == expected
 
 
-def test_with_a_model_drafter_loaded_the_default_is_hybrid_under_the_goodput_policy(tiny_model_dir):
+def test_with_a_model_drafter_loaded_the_default_is_auto_under_the_goodput_policy(tiny_model_dir):
     from specserve import LLM
     from specserve.sampling.params import SamplingParams
     llm = LLM(model=str(tiny_model_dir), draft_model=str(tiny_model_dir), kv_cache_memory_gb=0.05,
               num_threads=1, dtype="float32")
-    assert llm.default_speculation.method == "hybrid" and llm.default_speculation.k == 4
+    assert llm.default_speculation.method == "auto" and llm.default_speculation.k == 8
     assert llm.engine.spec.policy is not None                 # goodput is the default policy
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     (spec_out,) = llm.generate(["a b c a b c a b"], params)
     (plain,) = llm.generate(["a b c a b c a b"], params, speculation={"method": "none"})
-    assert spec_out.spec_stats.method == "hybrid" and spec_out.spec_stats.num_drafts > 0
+    stats = spec_out.spec_stats
+    assert stats.method == "auto" and stats.k == 8 and sum(row[0] for row in stats.by_method.values()) == 24
+    # the tiny target's drafter is the target itself: drafting with it never pays, and auto plain-decodes
+    assert stats.by_method.get("draft", [0])[0] == 0
     assert plain.spec_stats.num_drafts == 0 and spec_out.token_ids == plain.token_ids
 
 
 def test_a_plain_openai_request_is_speculative_and_none_turns_it_off(client, http):
     listed = http.get("/v1/speculators").json()["default"]
-    assert listed == {"method": "ngram", "num_speculative_tokens": 4, "options": {}}
+    assert listed == {"method": "auto", "num_speculative_tokens": 8, "options": {}}
     prompt = "x = 1\nx = 1\nx = 1\nx = 1\nx ="
     r = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=32, temperature=0,
                                   extra_body={"ignore_eos": True})
     spec = r.model_extra["speculation"]
-    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 4 and spec["num_drafts"] > 0
+    assert spec["method"] == "auto" and spec["num_speculative_tokens"] == 8 and spec["num_drafts"] > 0
+    assert sum(row["num_steps"] for m, row in spec["by_method"].items() if m != "none") == spec["num_drafts"]
     off = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=32, temperature=0,
                                     extra_body={"ignore_eos": True, "speculation": {"method": "none"}})
     assert off.model_extra["speculation"]["num_drafts"] == 0 and off.choices[0].text == r.choices[0].text

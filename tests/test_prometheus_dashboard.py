@@ -105,11 +105,14 @@ class Expected:
     finished: int = 0                  # engine requests (each of n choices is one)
 
     def add(self, spec: dict, choices: int = 1) -> None:
-        method = spec["method"]
-        for name in ("drafts", "draft_tokens", "accepted"):
-            key = "num_accepted_tokens" if name == "accepted" else f"num_{name}"
-            table = getattr(self, name)
-            table[method] = table.get(method, 0) + spec[key]
+        """`auto` (the default) is counted under the method it chose each step (its `by_method` rows), as the
+        metrics label it; its drafts only in the total."""
+        rows = spec.get("by_method") or {spec["method"]: spec}
+        for method, row in rows.items():
+            for name, key in (("draft_tokens", "num_draft_tokens"), ("accepted", "num_accepted_tokens")):
+                table = getattr(self, name)
+                table[method] = table.get(method, 0) + row[key]
+        self.drafts[spec["method"]] = self.drafts.get(spec["method"], 0) + spec["num_drafts"]
         self.finished += choices
 
     def acceptance_rate(self, method: str | None = None) -> float:

@@ -30,7 +30,7 @@ SCHEMA = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"enum": ["x", "yy", "zzz"]}, "maxItems": 3}},
     "required": ["name", "count", "ok", "tags"], "additionalProperties": False}
 REGEX = r"[a-z]{2,5}-[0-9]{1,3}(\.[a-z]{1,4})?"
-METHODS = [("ngram", 4), ("prediction", 4), ("draft", 3), ("eagle3", 4), ("mtp", 2), ("hybrid", 4)]
+METHODS = [("ngram", 4), ("prediction", 4), ("draft", 3), ("eagle3", 4), ("mtp", 2), ("hybrid", 4), ("auto", 4)]
 PROMPTS = ['{"name": "ab", "count": 1, "ok": true, "tags": []}\n{"name": "ab", "count": 1, ',
            "Answer as JSON: ", "abc-12.de abc-12.de abc-"]
 

@@ -36,7 +36,7 @@ SCHEMAS = [
      "required": ["point", "tag"], "additionalProperties": False},
     {"anyOf": [{"type": "boolean"}, {"type": "null"}, {"enum": ["yes", "no"]}]},
 ]
-METHODS = ["none", "ngram", "prediction", "draft", "eagle3", "mtp", "hybrid"]
+METHODS = ["none", "ngram", "prediction", "draft", "eagle3", "mtp", "hybrid", "auto"]
 PROMPTS = ['{"id": 3, "ok": true} {"id": 3, "ok": ', "[1, 2, 3] [1, 2, ", "Reply in JSON: ",
            '{"name": "ab", "kind": "bb"} {"name": "ab", ']
 
