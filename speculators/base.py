@@ -85,6 +85,9 @@ class SpecStats:
     # auto: method -> [steps chosen, draft tokens, accepted tokens, attempted positions]
     # ("none": the steps it chose plain decoding)
     by_method: dict[str, list[int]] = field(default_factory=dict)
+    # auto: lookup -> [accepted, attempted positions] of every draft it offered, chosen or not, scored against
+    # the tokens the request went on to emit (AutoSpeculator.score_offers); internal, not reported
+    lookup_scores: dict[str, list[int]] = field(default_factory=dict)
 
     def record_method(self, method: str, num_draft: int, num_accepted: int) -> None:
         row = self.by_method.setdefault(method, [0, 0, 0, 0])

@@ -27,6 +27,22 @@ ANSWERS: dict[tuple[int, ...], list[int]] = {}     # prompt -> its greedy output
 PLAIN = SamplingParams(**GREEDY, max_tokens=32)
 
 
+class Fake(SimpleNamespace):
+    """A request for AutoSpeculator.choose: the test appends what it emits to all_token_ids."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return self.all_token_ids[start:end]
+
+
+def fake(rid: str, temperature: float = 0.0, tokens: Sequence[int] = (1, 2, 3)) -> Fake:
+    return Fake(request_id=rid, spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
+                sampling_params=SamplingParams(temperature=temperature, max_tokens=64), all_token_ids=list(tokens))
+
+
 def _answer_drafts(r: SpecRequest, k: int) -> list[int]:
     prompt = tuple(r.all_token_ids[:r.num_tokens - len(r.output_token_ids)])
     return ANSWERS[prompt][len(r.output_token_ids):][:k]
@@ -218,8 +234,7 @@ def test_a_lookup_draft_is_continued_by_a_longer_one_that_agrees_with_it():
     auto = AutoSpeculator({"suffix": Fixed([4, 4]), "ngram": Fixed([4, 4, 9, 9, 9])})
     seen: list[dict[str, int]] = []
     auto.chooser = lambda reqs, ks, lengths: seen.extend(lengths) or ["suffix"] * len(reqs)
-    request = SimpleNamespace(request_id="r", spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
-                              sampling_params=PLAIN)
+    request = fake("r")
     assert auto.choose([request], [4]) == ["suffix"]
     assert seen == [{"suffix": 4, "ngram": 4}]
     assert auto.drafts("suffix", [request], [4]).token_ids == [[4, 4, 9, 9]]
@@ -252,9 +267,8 @@ def test_a_sampled_request_whose_drafter_is_in_step_skips_the_lookups_on_most_st
     that took a lookup or nothing last step, always run them. `choose` runs the lookups for the others."""
     policy = GoodputPolicy()
 
-    def request(rid: str, temperature: float, steps: int) -> SimpleNamespace:
-        r = SimpleNamespace(request_id=rid, spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
-                            sampling_params=SamplingParams(temperature=temperature, max_tokens=64))
+    def request(rid: str, temperature: float, steps: int) -> Fake:
+        r = fake(rid, temperature)
         r.spec_stats.by_method["eagle3"] = [steps, 4 * steps, steps, 2 * steps]
         return r
     sampled, greedy = request("s", 0.8, 5), request("g", 0.0, 5)
@@ -276,3 +290,39 @@ def test_a_sampled_request_whose_drafter_is_in_step_skips_the_lookups_on_most_st
     assert auto.choose([sampled, greedy], [4, 4], no_lookups=lambda r: r.request_id == "s") == ["eagle3"] * 2
     assert seen == [["g"]]
     assert got == [{"suffix": 0, "eagle3": 4}, {"suffix": 2, "eagle3": 4}]
+
+
+def test_every_offered_lookup_draft_is_scored_against_what_the_request_went_on_to_emit():
+    """A lookup's drafts, chosen or not, are scored once their outcome is known (a mismatch, or the whole
+    draft matched), and the request's estimate of a lookup comes from them, not from the few (hard) steps it
+    was verified on; a request that ran no lookups offers nothing, a released one is forgotten."""
+    drafts = {"suffix": [5, 6], "ngram": [9, 9, 9]}
+
+    class Fixed(Speculator):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def propose(self, requests, ks):
+            return DraftProposal([drafts[self.name][:k] for k in ks], [None] * len(ks))
+
+    auto = AutoSpeculator({"suffix": Fixed("suffix"), "ngram": Fixed("ngram")})
+    auto.chooser = lambda reqs, ks, lengths: ["suffix"] * len(reqs)
+    r = fake("r")
+    auto.choose([r], [4])                    # offered at position 3: suffix [5, 6], ngram [9, 9, 9]
+    r.all_token_ids.append(5)
+    auto.choose([r], [4])                    # suffix matched so far (not scored yet), ngram missed at once
+    assert r.spec_stats.lookup_scores == {"ngram": [0, 1]}
+    r.all_token_ids += [6, 9]
+    auto.choose([r], [4], no_lookups=lambda request: True)
+    # position 3: suffix matched whole (2 of 2); position 4 ([6, 9] emitted): both missed their first token
+    assert r.spec_stats.lookup_scores == {"ngram": [0, 2], "suffix": [2, 3]}
+    auto.choose([r], [4], no_lookups=lambda request: True)
+    assert r.spec_stats.lookup_scores == {"ngram": [0, 2], "suffix": [2, 3]}     # nothing new was offered
+
+    policy = GoodputPolicy()
+    r.spec_stats.by_method["ngram"] = [1, 3, 3, 3]      # verified once, on a step where it was right
+    assert policy.request_alpha(r, "ngram") == policy.alpha("ngram", 0, 2)
+    assert policy.request_alpha(r, "suffix") == policy.alpha("suffix", 2, 3) > policy.request_alpha(r, "ngram")
+    auto.choose([r], [4])
+    auto.release(r)
+    assert "r" not in auto._offered
