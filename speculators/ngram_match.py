@@ -11,8 +11,9 @@ Worked example: source = [5, 1, 2, 3, 9, 1, 2, 7], tail = [..., 1, 2], max_n 3:
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from specserve.speculators.jit import compiled
 
 
 def longest_match(source: np.ndarray, tail: np.ndarray, min_n: int, max_n: int, want: int = 1) -> int:
@@ -27,7 +28,7 @@ def longest_match(source: np.ndarray, tail: np.ndarray, min_n: int, max_n: int, 
     return _longest_match(source, tail, min_n, min(max_n, len(tail)), want)
 
 
-@numba.njit(cache=True, nogil=True)
+@compiled
 def _longest_match(source, tail, min_n, max_n, want):
     size, last = source.shape[0], tail.shape[0] - 1
     best_n, latest, roomy = 0, -1, -1

@@ -7,14 +7,14 @@ Hash of the n tokens t_0 .. t_(n-1) ending at a position, salted by the writer's
 A window that holds a separator (a negative token) is never hashed.
 
 numba is chosen over a C extension: it installs as a wheel (no compiler at install or first start), and the
-loops stay Python that a reader can run uncompiled (NUMBA_DISABLE_JIT=1). `cache=True` keeps the machine code
-beside this file (or in the user's cache directory), so a second process loads it in milliseconds; warm()
-compiles at start-up, not in the first request's step.
+loops stay Python that a reader can run uncompiled (NUMBA_DISABLE_JIT=1). The machine code is cached
+(speculators/jit.py); suffix_index.warm() compiles or loads it at start-up, not in the first request's step.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from specserve.speculators.jit import compiled
 
 LEVELS = (32, 16, 8, 4, 2)      # n-gram lengths indexed, longest first
 MAX_MATCH = 64                 # longest match length measured (caps the draft-length rule)
@@ -42,10 +42,7 @@ def hash_window(window, n: int, scope: int) -> int:
     return h ^ int(salt(scope))
 
 
-_jit = numba.njit(cache=True, nogil=True)
-
-
-@_jit
+@compiled
 def _window_hash(tokens, cap, last, li, n, salted):
     """(hash, True) of the n ring tokens ending at absolute position `last`; (0, False) across a separator."""
     h = np.uint64(0)
@@ -58,7 +55,7 @@ def _window_hash(tokens, cap, last, li, n, salted):
     return h ^ salted, True
 
 
-@_jit
+@compiled
 def append(tokens, scope, head, prev, mask, start, new, scope_id, salted):
     """Write `new` at absolute positions start .. start + len(new) - 1 of the ring and push every window they
     end (fully held, no separator) onto its level's chain. Returns the new end. len(new) <= capacity."""
@@ -81,7 +78,7 @@ def append(tokens, scope, head, prev, mask, start, new, scope_id, salted):
     return end
 
 
-@_jit
+@compiled
 def match(tokens, scope, head, prev, mask, oldest, limit, tail, scope_id, salted, enough, ends):
     """The candidates of the longest indexed level whose n tokens equal tail's last n, written by scope_id,
     with a token after them before `limit`: written to ends[:count], newest first. Returns (count, length):
@@ -128,7 +125,7 @@ def match(tokens, scope, head, prev, mask, oldest, limit, tail, scope_id, salted
     return 0, 0
 
 
-@_jit
+@compiled
 def follow(tokens, ends, count, limit, max_len, min_prob, out):
     """Follow the candidates ends[:count]: at each position the token most of the still-agreeing ones continue
     with (ties: the newest), stopping at max_len, where none continues (a separator or `limit`), or where the
@@ -172,7 +169,7 @@ def follow(tokens, ends, count, limit, max_len, min_prob, out):
     return n, expected
 
 
-@_jit
+@compiled
 def draft(tokens, scope, head, prev, mask, oldest, limit, tail, scope_id, salted, k, factor, min_prob, ends, out):
     """match, then follow for up to min(k, max(1, int(factor x match length))) tokens: (n, expected), the
     draft in out[:n]; (0, 0.0) without a match."""

@@ -270,3 +270,23 @@ def test_a_bucket_shared_with_another_scope_never_matches_its_text():
     assert index.continuation(found, 1, 0.1)[0] == [4]
     assert index.match(np.asarray([7, 8]), other).ends.tolist() == [3]
     assert index.draft(np.asarray([7, 8]), 1, 1, 1.0, 0.1)[0] == [4]
+
+
+def test_where_numba_cannot_cache_the_loops_compile_in_the_process(monkeypatch):
+    """A read-only file system without a home leaves numba no cache directory: it refuses `cache=True` at
+    decoration, and the import of the kernels must not fail for it."""
+    import numba
+
+    from specserve.speculators import jit
+    real = numba.njit
+
+    def refusing(*args, **kwargs):
+        if kwargs.get("cache"):
+            raise RuntimeError("cannot cache function 'add': no locator available for file 'add.py'")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(jit.numba, "njit", refusing)
+
+    def add(a, b):
+        return a + b
+    fast = jit.compiled(add)
+    assert fast(2, 3) == 5 and fast.py_func is add and fast.signatures        # compiled, not left as Python
