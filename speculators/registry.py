@@ -86,8 +86,9 @@ def registered(entry: Method) -> Iterator[Method]:
 # The server default when `--speculation` is not given: the first of these that is loaded, with its k (capped by
 # --max-speculative-tokens). Measured on the embedded family (docs/benchmarks.md, "2026-12-06 — ... the suffix
 # index compiled; `auto` the default"): `auto` k = 8 ran at or above hybrid k = 4, the default before it, on every
-# prompt set at batch 1 (T = 0 and 0.8) and at concurrency 16 (where hybrid ran 0.87-1.07x plain decoding and
-# auto 1.00-1.71x). hybrid and ngram stay for engines a plugin built without `auto`.
+# prompt set at batch 1 (T = 0 and 0.8) and at concurrency 16 in one whole-bench run (hybrid 0.87-1.07x plain
+# decoding at 16, auto 1.00-1.71x), and in 14 of 15 cells of the next (code at T = 0.8: 1.08x against 1.09x).
+# hybrid and ngram stay for engines a plugin built without `auto`.
 DEFAULT_PREFERENCE = (("auto", 8), ("hybrid", 4), ("ngram", 4))
 
 
