@@ -51,6 +51,23 @@ def test_cost_model_recovers_the_line_and_waits_for_spread():
     assert m.fit()[0] == pytest.approx(2 * T0, rel=0.01)
 
 
+def test_a_slope_too_steep_for_the_mean_gives_the_line_through_zero_and_the_mean():
+    """Draft depths with noisy samples can regress to a slope whose line crosses zero above depth 0:
+    clamping t0 at 0 under that slope priced every depth above the mean (EAGLE-3 1.32 ms a depth where its
+    proposes averaged 0.93), and the costlier-looking drafter was not chosen again to correct it. The line
+    then goes through zero and the mean: every depth priced at the mean cost per depth."""
+    m = StepCostModel()
+    samples = [(1, 0.0005), (4, 0.0044), (1, 0.0006), (4, 0.0045)] * 5      # (depth, seconds)
+    for depth, secs in samples:
+        m.observe(depth, secs)
+    w = m.w
+    slope = (m.snt / w - m.sn / w * m.st / w) / (m.snn / w - (m.sn / w) ** 2)
+    mean_n, mean_t = m.sn / w, m.st / w
+    assert slope * mean_n > mean_t                 # the raw line's intercept is negative
+    t0, t1 = m.fit()
+    assert t0 == pytest.approx(0.0, abs=1e-12) and t1 == pytest.approx(mean_t / mean_n) and t1 < slope
+
+
 def test_a_slope_flattened_by_noise_is_floored_and_the_policy_still_cuts():
     import random
     rng = random.Random(0)
