@@ -124,13 +124,14 @@ def propose_cost(cache_tokens: int = 1_000_000, reps: int = 300) -> tuple[float,
     doc = rng.integers(0, 32000, 300).tolist()
     index.extend([*doc, -1], scope=1)
     tail, miss = np.asarray(doc[:150]), rng.integers(0, 32000, 64)
+    index.draft(tail, 1, 8, 1.0, 0.1)                   # compiled or loaded from the cache: not timed
     start = time.perf_counter()
     for _ in range(reps):
-        index.continuation(index.match(tail, 1, enough=8), 8, 0.1)     # as suffix drafts k = 8
+        index.draft(tail, 1, 8, 1.0, 0.1)               # as suffix drafts k = 8 (its engine path)
     hit = (time.perf_counter() - start) / reps * 1e6
     start = time.perf_counter()
     for _ in range(reps):
-        index.match(miss, 1)
+        index.draft(miss, 1, 8, 1.0, 0.1)
     return hit, (time.perf_counter() - start) / reps * 1e6, index.nbytes() / index.capacity
 
 

@@ -179,8 +179,10 @@ class AutoSpeculator(Speculator):
         if not pending:
             return
         end, scores, keep = request.num_tokens, request.spec_stats.lookup_scores, []
+        first = min(pos for pos, _, _ in pending)
+        emitted = request.token_slice(first, end)          # one slice for all of the request's offers
         for pos, method, draft in pending:
-            got = request.token_slice(pos, min(pos + len(draft), end))
+            got = emitted[pos - first:pos - first + len(draft)]
             accepted = 0
             while accepted < len(got) and got[accepted] == draft[accepted]:
                 accepted += 1

@@ -144,10 +144,7 @@ class SuffixIndex:
 
 
 def warm() -> None:
-    """Compile the kernels now (or load them from the cache), not in the first request's step."""
+    """Compile the engine's kernels now (or load them from the cache), not in the first request's step."""
     index = SuffixIndex(64)
     index.extend([1, 2, 3, 4, SEPARATOR, 1, 2, 3, 5], 1)
     index.draft(index.tail(3), 1, 4, 1.0, 0.1)
-    found = index.match(index.tail(3)[:2], 1)
-    if found is not None:
-        index.continuation(found, 2, 0.1)
