@@ -51,10 +51,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="model id in /v1/models and the `model` every request must send. "
                         "Default: the model directory's name")
     g.add_argument("--dtype", default=e.dtype, choices=DTYPES,
-                   help="weight and activation dtype; auto = bf16 on CUDA, float32 on CPU (exact greedy "
-                        "equivalence; bfloat16 is faster on AMX/AVX512-BF16 CPUs, but greedy output may then "
-                        "depend on batching in rare near-ties) "
-                        "(default: %(default)s)")
+                   help="weight and activation dtype; auto = bf16 on CUDA, and on CPUs with AMX or AVX512-BF16 "
+                        "where the paged attention kernel builds and bf16 linears are row-stable (greedy output "
+                        "then independent of batching and speculation), else float32 (default: %(default)s)")
     g.add_argument("--device", default=e.device, help="auto, cpu, cuda or cuda:N; auto = cuda if available "
                                                      "(default: %(default)s)")
     g.add_argument("--block-size", type=int, default=e.block_size, metavar="N",
