@@ -91,6 +91,34 @@ def test_row_is_bit_identical_alone_in_a_batch_of_8_and_with_drafts(dtype, windo
     assert not torch.equal(alone[0], verify[1])     # the rows are real, different queries
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_one_call_step_equals_cache_write_kernel_and_cast(dtype, d):
+    """attention_step (new K/V written by the kernel, queries and output in the model's dtype) gives the bits
+    of index_copy_ into the cache, the fp32 kernel call and a cast, and leaves the same cache."""
+    gen = torch.Generator().manual_seed(7)
+    lens, q_lens = [40, 3, 97], [1, 3, 5]
+    num_blocks = sum(-(-s // BLOCK) for s in lens) + 4
+    tables = tables_for(lens, num_blocks, gen)
+    cache = random_cache(num_blocks, dtype, gen, d=d)
+    attn = build_attention_metadata(q_lens, lens, tables, BLOCK, "cpu", backend="paged")
+    n = sum(q_lens)
+    q = torch.randn(n, HEADS, d, generator=gen).to(dtype)
+    k, v = (torch.randn(n, KV_HEADS, d, generator=gen).to(dtype) for _ in range(2))
+    ref_cache = tuple(c.clone() for c in cache)
+    for c, new in zip(ref_cache, (k, v)):
+        c.view(-1, KV_HEADS, d).index_copy_(0, attn.slot_mapping, new)
+    ref = paged_kernel.paged_attention_cpu(q, *ref_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                                           d ** -0.5, None).to(dtype)
+    got = paged_kernel.attention_step(q, k, v, *cache, attn.slot_mapping, attn.block_tables, attn.seq_lens,
+                                      attn.query_start_loc, d ** -0.5, None)
+    assert got.dtype == dtype and torch.equal(got, ref)
+    assert torch.equal(cache[0], ref_cache[0]) and torch.equal(cache[1], ref_cache[1])
+    # what it does not take, it leaves to the caller: k in another dtype than the cache
+    assert paged_kernel.attention_step(q, k.double(), v, *cache, attn.slot_mapping, attn.block_tables,
+                                       attn.seq_lens, attn.query_start_loc, d ** -0.5, None) is None
+
+
 def test_failed_build_falls_back_to_sdpa(monkeypatch):
     monkeypatch.setattr(paged_kernel, "_state", {})
     monkeypatch.setenv("CXX", "/nonexistent/c++")

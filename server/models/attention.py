@@ -156,6 +156,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns [num_tokens, num_heads, head_dim].
     """
     k_cache, v_cache = kv_cache
+    if attn.backend == "paged":      # the cache write, attention and casts in one kernel call where it applies
+        out = paged_kernel.attention_step(q, k, v, k_cache, v_cache, attn.slot_mapping, attn.block_tables,
+                                          attn.seq_lens, attn.query_start_loc, scale, window)
+        if out is not None:
+            return out
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     out_dtype = q.dtype
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)             # [num_slots, kv_heads, head_dim]

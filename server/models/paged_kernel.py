@@ -40,6 +40,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_kernel.cpp")
+HEADERS = (Path(__file__).with_name("paged_kernel_avx512.h"),)      # included by SOURCE
 KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
 
@@ -74,7 +75,8 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_signature().encode()).hexdigest()[:16]
+    text = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+    key = hashlib.sha256(text + version.encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = cache_dir() / f"paged_kernel-{key}.so"
     if target.exists():
         return target
@@ -108,6 +110,10 @@ def load() -> ctypes.CDLL | None:
             fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
                            ctypes.c_float, ptr, ctypes.c_int]
             fn.restype = ctypes.c_int
+            step = lib.specserve_paged_attention_step
+            step.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64,
+                             i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+            step.restype = ctypes.c_int
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             _state["error"] = str(exc)
             logger.warning("paged attention kernel unavailable, torch SDPA serves attention instead: %s", exc)
@@ -147,6 +153,35 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), qsl.data_ptr(), lens.shape[0],
         q.shape[1], num_kv_heads, head_dim, block_size, window or 0, scale, out.data_ptr(),
         torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"paged attention: {q.shape[1]} heads do not group over {num_kv_heads} kv heads")
+    return out
+
+
+def attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                   window: int | None) -> torch.Tensor | None:
+    """One layer's step in one kernel call: k, v [num_tokens, kv_heads, d] written at slot_mapping (int64),
+    then attention; returns [num_tokens, heads, d] in q's dtype, the same values as writing the cache with
+    index_copy_ and `paged_attention_cpu(...).to(q.dtype)`. None where this call does not apply (q not fp32 or
+    bf16, k/v not in the cache's dtype, a tensor not contiguous, metadata not int32/int64): use those instead.
+    """
+    lib = load()
+    if (lib is None or q.dtype not in (torch.float32, torch.bfloat16) or k.dtype != k_cache.dtype
+            or v.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype or k_cache.dtype not in KV_DTYPE_CODES
+            or slot_mapping.dtype != torch.int64 or block_tables.dtype != torch.int32
+            or seq_lens.dtype != torch.int32 or query_start_loc.dtype != torch.int32
+            or not all(t.is_contiguous() for t in (q, k, v, k_cache, v_cache, slot_mapping, block_tables))
+            or q.device.type != "cpu"):
+        return None
+    out = torch.empty_like(q)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    rc = lib.specserve_paged_attention_step(
+        q.data_ptr(), q.dtype == torch.bfloat16, k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), KV_DTYPE_CODES[k_cache.dtype], block_tables.data_ptr(),
+        block_tables.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(), seq_lens.shape[0], q.shape[1],
+        num_kv_heads, head_dim, block_size, window or 0, scale, out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"paged attention: {q.shape[1]} heads do not group over {num_kv_heads} kv heads")
     return out
