@@ -25,6 +25,7 @@ from specserve.server.api.protocol import RequestModels
 from specserve.server.api.routes import build_router
 from specserve.server.api.state import ServerState
 from specserve.server.config import EngineConfig, ServerConfig
+from specserve.server.heap import freeze_startup_objects
 from specserve.server.metrics import Metrics, instrument_app
 
 logger = logging.getLogger("specserve.api")
@@ -105,6 +106,7 @@ async def _load(state: ServerState, factory: EngineFactory,
         if on_fatal is not None:
             on_fatal(exc)
         return
+    freeze_startup_objects()
     _ready(state, engine)
     logger.info("serving %s (max_model_len %d; speculators %s)", engine.model_name,
                 engine.max_model_len, engine.speculators())

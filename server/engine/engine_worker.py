@@ -52,6 +52,8 @@ def worker_main(conn: Connection, cfg: EngineConfig, log_level: int) -> None:
     except BaseException as exc:  # noqa: BLE001 - re-raised by the front end: a bad --model reads as one
         conn.send(Failed(picklable(exc), traceback.format_exc()))
         return
+    from specserve.server.heap import freeze_startup_objects
+    freeze_startup_objects()
     conn.send(Ready(info))
     try:
         _serve(conn, engine)
