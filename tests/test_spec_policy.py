@@ -287,6 +287,20 @@ def test_the_start_up_prior_tilts_the_line_but_the_steps_seen_set_its_level():
     assert t0 + t1 * 5 == pytest.approx(T0 + 0.002 + T1 * 5, rel=1e-6)
 
 
+def test_the_slope_is_not_read_from_the_offset_between_served_steps_and_the_prior():
+    """Served steps cost their forward plus ~2 ms of sampling and outputs, and crowd the small sizes; the
+    start-up forwards spread wide. The slope comes from each group's own spread, so that offset is not read
+    as a flatter line (it was: 0.1 ms a row where the forwards measured 0.2)."""
+    m = StepCostModel()
+    m.set_prior([(n, T0 + T1 * n) for n in (1, 3, 5, 7, 4, 20, 8, 40)])
+    for i in range(200):                               # plain steps and short verifications, 2 ms dearer
+        n = 1 if i % 3 else 1 + i % 9
+        m.observe(n, T0 + 0.002 + T1 * n)
+    t0, t1 = m.fit()
+    assert t1 == pytest.approx(T1, rel=1e-6)
+    assert t0 == pytest.approx(T0 + 0.002, rel=1e-6)
+
+
 def test_the_step_line_is_kept_between_samples_and_follows_each_new_one():
     model = StepCostModel()
     model.set_prior([(1, 0.010), (9, 0.018)])
@@ -296,7 +310,7 @@ def test_the_step_line_is_kept_between_samples_and_follows_each_new_one():
         model.observe(5, 0.030)
     moved = model.fit()
     assert moved != first and moved[0] + 5 * moved[1] == pytest.approx(0.030)
-    model.set_prior([(1, 0.001), (9, 0.009)])
+    model.set_prior([(1, 0.001), (9, 0.017)])         # a new prior's slope: a new line
     assert model.fit() != moved
     model.forget()                           # back to the start-up prior alone: two samples, too few to fit
     assert model.steps == 0 and model.fit() is None

@@ -79,11 +79,15 @@ class StepCostModel:
             return None
         w = self.w + pw
         mean_n, mean_t = (self.sn + psn) / w, (self.st + pst) / w
-        var = (self.snn + psnn) / w - mean_n * mean_n
-        if var < MIN_SPREAD:
+        # The slope from the spread within each group (start-up prior, steps seen) about its own mean: the
+        # groups' levels differ by what a served step adds to its forward (~2 ms at batch 1), and one
+        # regression over both read that offset as slope (served steps crowd the low sizes): 0.09-0.12 ms a
+        # row where forwards of 1-9 rows measure ~0.2, so every lookup draft looked half its price.
+        ss_p, sp_p = _centered(pw, psn, psnn, pst, psnt)
+        ss_o, sp_o = _centered(self.w, self.sn, self.snn, self.st, self.snt)
+        if (ss_p + ss_o) / w < MIN_SPREAD:
             return None
-        t1 = ((self.snt + psnt) / w - mean_n * mean_t) / var
-        t1 = max(t1, 1e-7)
+        t1 = max((sp_p + sp_o) / (ss_p + ss_o), 1e-7)
         if self.steps >= MIN_FIT_STEPS:          # the level of what was really seen
             mean_n, mean_t = self.sn / self.w, self.st / self.w
         if t1 * mean_n > mean_t:        # a slope steeper than the mean allows: the line through 0 and the mean
@@ -93,6 +97,14 @@ class StepCostModel:
             t1 = MIN_T1_RATIO * mean_t / (1.0 + MIN_T1_RATIO * mean_n)
             t0 = mean_t - t1 * mean_n
         return t0, t1
+
+
+def _centered(w: float, sn: float, snn: float, st: float, snt: float) -> tuple[float, float]:
+    """(sum of squares of N, sum of N x T products) about the group's own means, from its running sums."""
+    if w <= 0.0:
+        return 0.0, 0.0
+    mean_n = sn / w
+    return max(snn - w * mean_n * mean_n, 0.0), snt - mean_n * st
 
 
 # A bf16 forward on CPU runs the linears in blocks of ROW_BLOCK rows (server/models/linear.py): one row past a
