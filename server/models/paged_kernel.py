@@ -21,6 +21,10 @@ compiler and the CPU (SPECSERVE_KERNEL_CACHE, default ~/.cache/specserve/kernels
 one machine still gets code for the CPU it runs on; -march=native falls back to generic -O3. OpenMP
 resolves to the libgomp torch has already loaded (same soname), so the kernel shares torch's threads.
 If no compiler works, `load()` returns None with the reason logged, and attention.py falls back to SDPA.
+
+Two entry points: `paged_attention_cpu` (fp32 queries and output: the reference the tests and the A/B harness
+call) and `attention_step`, the one call per layer the model makes: it also writes the step's K/V into the
+cache and takes and returns the model's dtype, where five torch calls around the kernel cost ~12 µs a layer.
 """
 from __future__ import annotations
 
