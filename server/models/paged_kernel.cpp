@@ -290,7 +290,7 @@ extern "C" int specserve_paged_attention(
 }
 
 // One layer's step as the model calls it, in one call: this step's K/V rows (k_new, v_new: [num_tokens,
-// num_kv_heads, D] in the cache's dtype; null to skip) written at their slots, then the attention above with
+// num_kv_heads, D] in the cache's dtype) written at their slots, then the attention above with
 // queries and output in fp32 or bf16 (q_bf16). A bf16 output is the fp32 result rounded to nearest even, as
 // torch rounds it. Saves the model's per-layer copies, casts and allocations around the kernel.
 extern "C" int specserve_paged_attention_step(
@@ -300,12 +300,10 @@ extern "C" int specserve_paged_attention_step(
         int64_t D, int64_t block_size, int64_t window, float scale, void* out, int num_threads) {
     if (dtype < 0 || dtype > 2 || num_seqs < 0) return 1;
     const int64_t num_tokens = qsl[num_seqs];
-    if (k_new != nullptr) {
-        const size_t row = static_cast<size_t>(num_kv_heads * D) * (dtype == 0 ? 4 : 2);
-        for (int64_t t = 0; t < num_tokens; ++t) {
-            std::memcpy(static_cast<char*>(k_cache) + slot_mapping[t] * row, static_cast<const char*>(k_new) + t * row, row);
-            std::memcpy(static_cast<char*>(v_cache) + slot_mapping[t] * row, static_cast<const char*>(v_new) + t * row, row);
-        }
+    const size_t row = static_cast<size_t>(num_kv_heads * D) * (dtype == 0 ? 4 : 2);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        std::memcpy(static_cast<char*>(k_cache) + slot_mapping[t] * row, static_cast<const char*>(k_new) + t * row, row);
+        std::memcpy(static_cast<char*>(v_cache) + slot_mapping[t] * row, static_cast<const char*>(v_new) + t * row, row);
     }
     if (!q_bf16) {
         return specserve_paged_attention(static_cast<const float*>(q), k_cache, v_cache, dtype, block_tables,

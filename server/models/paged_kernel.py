@@ -171,19 +171,21 @@ def attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     index_copy_ and `paged_attention_cpu(...).to(q.dtype)`. None where this call does not apply (q not fp32 or
     bf16, k/v not in the cache's dtype, a tensor not contiguous, metadata not int32/int64): use those instead.
     """
-    lib = load()
-    if (lib is None or q.dtype not in (torch.float32, torch.bfloat16) or k.dtype != k_cache.dtype
-            or v.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype or k_cache.dtype not in KV_DTYPE_CODES
-            or slot_mapping.dtype != torch.int64 or block_tables.dtype != torch.int32
-            or seq_lens.dtype != torch.int32 or query_start_loc.dtype != torch.int32
-            or not all(t.is_contiguous() for t in (q, k, v, k_cache, v_cache, slot_mapping, block_tables))
-            or q.device.type != "cpu"):
+    lib = load()          # plain `and`s, no generator: this runs once per layer of every step
+    code = KV_DTYPE_CODES.get(k_cache.dtype)
+    if not (lib is not None and code is not None and q.device.type == "cpu"
+            and (q.dtype == torch.float32 or q.dtype == torch.bfloat16)
+            and k.dtype == k_cache.dtype and v.dtype == k_cache.dtype and v_cache.dtype == k_cache.dtype
+            and slot_mapping.dtype == torch.int64 and block_tables.dtype == torch.int32
+            and seq_lens.dtype == torch.int32 and query_start_loc.dtype == torch.int32
+            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and slot_mapping.is_contiguous() and block_tables.is_contiguous()):
         return None
     out = torch.empty_like(q)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     rc = lib.specserve_paged_attention_step(
         q.data_ptr(), q.dtype == torch.bfloat16, k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), KV_DTYPE_CODES[k_cache.dtype], block_tables.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), code, block_tables.data_ptr(),
         block_tables.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(), seq_lens.shape[0], q.shape[1],
         num_kv_heads, head_dim, block_size, window or 0, scale, out.data_ptr(), torch.get_num_threads())
     if rc != 0:
