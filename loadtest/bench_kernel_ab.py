@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.server.models import native_build
 from specserve.server.models import paged_kernel as pk
 
 HEADS, KV_HEADS, BLOCK = 8, 2, 16
@@ -32,7 +33,7 @@ HEADS, KV_HEADS, BLOCK = 8, 2, 16
 
 def build_other(source: Path, out_dir: Path) -> ctypes.CDLL:
     out = out_dir / "other_kernel.so"
-    for flags in pk.FLAG_SETS:
+    for flags in native_build.FLAG_SETS:
         cmd = ["g++", *flags, "-fopenmp", "-std=c++17", "-shared", "-fPIC", f"-I{pk.SOURCE.parent}", str(source),
                "-o", str(out)]     # a source that includes the kernel's headers gets today's
         if subprocess.run(cmd, capture_output=True).returncode == 0:

@@ -7,7 +7,7 @@ import torch
 
 from specserve.server.engine import builder
 from specserve.server.engine.builder import cpu_bf16_problem, pick_dtype
-from specserve.server.models import linear, paged_kernel
+from specserve.server.models import bf16_gemm, linear, native_build, paged_kernel
 
 
 def test_explicit_dtypes_pass_through():
@@ -22,23 +22,24 @@ def test_auto_on_cpu_follows_what_this_cpu_can_do_and_leaves_the_rng_alone():
     torch.manual_seed(123)
     picked = pick_dtype("auto", torch.device("cpu"))
     assert torch.equal(torch.rand(4), expected)
-    native = bool(paged_kernel.cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    native = bool(native_build.cpu_flags() & {"avx512_bf16", "amx_bf16"})
     fast_and_exact = native and paged_kernel.load() is not None and linear.bf16_rows_stable()
     assert picked is (torch.bfloat16 if fast_and_exact else torch.float32)
 
 
 def test_each_reason_keeps_fp32(monkeypatch, caplog):
-    monkeypatch.setattr(paged_kernel, "cpu_flags", lambda: {"avx2", "avx512f"})
+    monkeypatch.setattr(native_build, "cpu_flags", lambda: {"avx2", "avx512f"})
     with caplog.at_level(logging.INFO, logger=builder.log.name):
         assert pick_dtype("auto", torch.device("cpu")) is torch.float32
     assert "no AVX512-BF16 or AMX" in caplog.text
-    monkeypatch.setattr(paged_kernel, "cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setattr(native_build, "cpu_flags", lambda: {"avx512_bf16"})
     assert "sdpa" in cpu_bf16_problem("sdpa")
     monkeypatch.setattr(paged_kernel, "load", lambda: None)
     assert "does not build" in cpu_bf16_problem("auto")
 
 
 def test_the_row_stability_probe_fails_on_a_linear_whose_rows_follow_the_batch(monkeypatch):
+    monkeypatch.setattr(bf16_gemm, "_state", {"lib": None, "error": "oneDNN under test"})   # oneDNN's blocking
     probe = torch.nn.utils.skip_init(linear.Linear, 8, 8, bias=False, dtype=torch.bfloat16)
     probe.pack()
     packable = probe.packed is not None

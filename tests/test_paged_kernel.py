@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.server.models import attention, paged_kernel
+from specserve.server.models import attention, native_build, paged_kernel
 from specserve.server.models.attention import build_attention_metadata, paged_attention
 
 BLOCK = 16
@@ -122,7 +122,7 @@ def test_one_call_step_equals_cache_write_kernel_and_cast(dtype, d):
 def test_failed_build_falls_back_to_sdpa(monkeypatch):
     monkeypatch.setattr(paged_kernel, "_state", {})
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    monkeypatch.setattr(paged_kernel, "cache_dir", lambda: paged_kernel.Path("/nonexistent-cache"))
+    monkeypatch.setattr(native_build, "cache_dir", lambda: paged_kernel.Path("/nonexistent-cache"))
     monkeypatch.setattr(attention, "_choice", {"requested": "auto"})
     assert attention.configure_backend("auto") == "sdpa"
     assert paged_kernel.load_error()

@@ -65,9 +65,9 @@ def pick_dtype(name: str, device: torch.device, attention_backend: str = "auto")
 
 def cpu_bf16_problem(attention_backend: str) -> str | None:
     """Why bf16 is not this CPU's auto dtype, or None when it is."""
-    from specserve.server.models import paged_kernel
+    from specserve.server.models import native_build, paged_kernel
     from specserve.server.models.linear import bf16_rows_stable
-    flags = paged_kernel.cpu_flags()
+    flags = native_build.cpu_flags()
     if not flags & {"avx512_bf16", "amx_bf16"}:
         return "no AVX512-BF16 or AMX: bf16 matmuls would be emulated, slower than fp32"
     if attention_backend == "sdpa":

@@ -16,11 +16,9 @@ guarantee would have to be re-proved per torch release); a torch C++ extension (
 one build take about a minute on 2 cores and needs ninja). This source includes only the C++ standard
 library, builds in about two seconds with g++ and is called through ctypes.
 
-Build: at first use, `g++ -O3 -march=native -fopenmp` into a cache folder keyed by the source, the
-compiler and the CPU (SPECSERVE_KERNEL_CACHE, default ~/.cache/specserve/kernels), so an image built on
-one machine still gets code for the CPU it runs on; -march=native falls back to generic -O3. OpenMP
-resolves to the libgomp torch has already loaded (same soname), so the kernel shares torch's threads.
-If no compiler works, `load()` returns None with the reason logged, and attention.py falls back to SDPA.
+Build: at first use, through native_build.py (g++ -O3 -march=native -fopenmp, cached per source, compiler
+and CPU). If no compiler works, `load()` returns None with the reason logged, and attention.py falls back
+to SDPA.
 
 Two entry points: `paged_attention_cpu` (fp32 queries and output: the reference the tests and the A/B harness
 call) and `attention_step`, the one call per layer the model makes: it also writes the step's K/V into the
@@ -29,73 +27,23 @@ cache and takes and returns the model's dtype, where five torch calls around the
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from specserve.server.models import native_build
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_kernel.cpp")
 HEADERS = (Path(__file__).with_name("paged_kernel_avx512.h"),)      # included by SOURCE
 KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}      # "lib": ctypes.CDLL | None, "error": str
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECSERVE_KERNEL_CACHE", Path.home() / ".cache" / "specserve" / "kernels"))
-
-
-def _cpuinfo() -> str | None:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    text = _cpuinfo() or ""
-    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
-
-
-def _cpu_signature() -> str:
-    text = _cpuinfo()
-    if text is None:
-        return platform.processor()
-    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    text = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
-    key = hashlib.sha256(text + version.encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_kernel-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for flags in FLAG_SETS:
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            cmd = [compiler, *flags, "-fopenmp", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o", str(out)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode == 0:
-                os.replace(out, target)      # atomic: concurrent builders never see a half-written file
-                return target
-            errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-400:]}")
-    raise RuntimeError("; ".join(errors))
 
 
 def load() -> ctypes.CDLL | None:
@@ -105,10 +53,7 @@ def load() -> ctypes.CDLL | None:
             return _state["lib"]
         lib = None
         try:
-            compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-            if compiler is None:
-                raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) on PATH")
-            lib = ctypes.CDLL(str(_build(compiler)))
+            lib = ctypes.CDLL(str(native_build.build(SOURCE, HEADERS)))
             fn = lib.specserve_paged_attention
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,

@@ -1,0 +1,95 @@
+"""bf16 linear layers on AMX tiles (Intel Sapphire Rapids and later): a small C++ kernel, bf16_gemm.cpp.
+
+Why: oneDNN's packed bf16 linear (linear.py) costs ~15-20 µs a call before it reads a byte, and the
+target's decode step makes 33 such calls; at 1-16 rows the 33 linears of the embedded target ran 2.1-2.4 ms
+through oneDNN and 1.2-1.4 ms through this kernel (2-core AMX Xeon, weights cycling through the caches as
+in a step; `python -m loadtest.bench_linear`). The kernel also keeps what exact speculation rests on: a row's
+result depends on that row only (bf16_gemm.cpp says how), at every batch size, so it needs none of the
+32-row blocking oneDNN's bf16 kernel needs.
+
+Where it applies: the CPU has AMX-BF16 and Linux grants the tile state, the weight is bf16 with K a
+multiple of 32 and N of 16. Elsewhere linear.py keeps oneDNN. Set SPECSERVE_LINEAR_KERNEL=onednn to keep
+oneDNN everywhere (for A/B measurements). Built like the paged attention kernel (native_build.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from specserve.server.models import native_build
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("bf16_gemm.cpp")
+KERNEL_ENV = "SPECSERVE_LINEAR_KERNEL"
+KERNEL_CHOICES = ("auto", "onednn")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}      # "lib": ctypes.CDLL | None, "error": str
+
+
+def load() -> ctypes.CDLL | None:
+    """The built kernel where this CPU and process can run it, else None (reason in `load_error()`)."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]
+        lib, error = None, None
+        choice = os.environ.get(KERNEL_ENV, "auto")
+        if choice not in KERNEL_CHOICES:
+            raise ValueError(f"{KERNEL_ENV}={choice!r}: expected one of {', '.join(KERNEL_CHOICES)}")
+        if choice == "onednn":
+            error = f"{KERNEL_ENV}=onednn"
+        elif not native_build.cpu_flags() & {"amx_bf16"}:
+            error = "this CPU has no AMX-BF16"
+        else:
+            try:
+                lib = ctypes.CDLL(str(native_build.build(SOURCE)))
+                fn = lib.specserve_bf16_linear
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                if lib.specserve_amx_ready() != 1:
+                    lib, error = None, "Linux did not grant this process the AMX tile state"
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                lib, error = None, f"the kernel does not build: {exc}"
+        if error is not None:
+            logger.info("bf16 linears: oneDNN (%s)", error)
+        _state["lib"], _state["error"] = lib, error
+        return lib
+
+
+def load_error() -> str | None:
+    return _state.get("error")
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether the kernel takes this weight [out, in] (bf16 on CPU, in % 32 == 0, out % 16 == 0)."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> the kernel's tile layout [N/16, K/32, 16, 16, 2] (bf16_gemm.cpp)."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] bf16 -> [..., N] bf16 with the packed weight; bias fp32 [N] or None."""
+    lib = _state["lib"]
+    n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    rows = x.reshape(-1, k)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    rc = lib.specserve_bf16_linear(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), n,
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"bf16 linear: shapes {tuple(x.shape)} x [{n}, {k}] not taken")
+    return out.view(*x.shape[:-1], n)
