@@ -18,6 +18,7 @@ import logging
 import os
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -80,10 +81,29 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
+def bind(packed: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`linear` with this weight and bias bound: the per-call work trimmed to one allocation and the kernel
+    call for the 2-D contiguous rows a model step passes (other inputs go through `linear`)."""
+    fn = _state["lib"].specserve_bf16_linear
+    n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    w_ptr, b_ptr = packed.data_ptr(), None if bias is None else bias.data_ptr()
+    empty, bf16, threads = torch.empty, torch.bfloat16, torch.get_num_threads
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != k or x.dtype != bf16 or not x.is_contiguous():
+            return linear(x, packed, bias)
+        out = empty(x.shape[0], n, dtype=bf16)
+        fn(x.data_ptr(), x.shape[0], k, w_ptr, n, b_ptr, out.data_ptr(), threads())
+        return out
+    return call
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] bf16 -> [..., N] bf16 with the packed weight; bias fp32 [N] or None."""
     lib = _state["lib"]
     n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    if x.shape[-1] != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"bf16 linear: input {tuple(x.shape)} {x.dtype} against a [{n}, {k}] bf16 weight")
     rows = x.reshape(-1, k)
     if not rows.is_contiguous():
         rows = rows.contiguous()

@@ -35,6 +35,7 @@ per call; at 1-16 rows the target's 33 linears take ~0.6x oneDNN's time (numbers
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,18 +57,20 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None     # opaque oneDNN copy of weight [out, in], or bf16_gemm's tiles; None = F.linear
     tiled: bool = False                    # packed is bf16_gemm's layout (AMX kernel), not oneDNN's
     tiled_bias: torch.Tensor | None = None   # fp32 bias for the AMX kernel
+    tiled_call: Callable[[torch.Tensor], torch.Tensor] | None = None   # the kernel with weight and bias bound
     handle: int = -1                       # key of this Linear for compiled graphs (server/models/compiled.py)
     fp32_weight: torch.Tensor | None = None   # drafters only: F.linear on this fp32 copy (latency_tuning.py)
     fp32_bias: torch.Tensor | None = None
 
     def pack(self) -> None:
         weight = self.weight
-        self.packed, self.tiled, self.tiled_bias = None, False, None
+        self.packed, self.tiled, self.tiled_bias, self.tiled_call = None, False, None, None
         self.fp32_weight = self.fp32_bias = None      # a snapshot of the old weights: re-tune after packing
         if bf16_gemm.fits(weight) and bf16_gemm.load() is not None:
             with torch.no_grad():
                 self.packed, self.tiled = bf16_gemm.pack(weight), True
                 self.tiled_bias = None if self.bias is None else self.bias.detach().float().contiguous()
+                self.tiled_call = bf16_gemm.bind(self.packed, self.tiled_bias)
         elif ONEDNN_PACKING and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES:
             try:
                 with torch.no_grad():
@@ -97,13 +100,15 @@ class Linear(nn.Linear):
             self.fp32_bias = None if self.bias is None else self.bias.detach().float()
 
     def run_packed(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.shape[0] > BF16_ROW_BLOCK and not self.tiled:
+        if self.tiled_call is not None:
+            return self.tiled_call(x)
+        if x.dtype == torch.bfloat16 and x.shape[0] > BF16_ROW_BLOCK:
             return torch.cat([self._packed(part) for part in x.split(BF16_ROW_BLOCK)])
         return self._packed(x)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiled:
-            return bf16_gemm.linear(x, self.packed, self.tiled_bias)
+        if self.tiled_call is not None:
+            return self.tiled_call(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
