@@ -119,6 +119,24 @@ def test_one_call_step_equals_cache_write_kernel_and_cast(dtype, d):
                                        attn.seq_lens, attn.query_start_loc, d ** -0.5, None) is None
 
 
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_peaked_scores_whose_weights_underflow_match_sdpa_and_leave_the_callers_float_modes(d):
+    """Queries 40x larger: most keys score hundreds below the row's best, so their softmax weights underflow
+    (denormals, which the kernel flushes to zero). The rows still match SDPA, and the caller's thread keeps
+    its own float modes (a denormal survives a multiply by one after the call)."""
+    gen = torch.Generator().manual_seed(5)
+    seq_lens, q_lens = [300, 41, 1000], [1, 3, 1]
+    num_blocks = sum(-(-s // BLOCK) for s in seq_lens) + 4
+    tables = tables_for(seq_lens, num_blocks, gen)
+    cache = random_cache(num_blocks, torch.float32, gen, d=d)
+    q = torch.randn(sum(q_lens), HEADS, d, generator=gen) * 40
+    got = run("paged", q_lens, seq_lens, tables, cache, q)
+    ref = run("sdpa", q_lens, seq_lens, tables, cache, q)
+    assert (got - ref).abs().max().item() < 1e-4       # scores in the hundreds: their own rounding is ~1e-5
+    tiny = torch.tensor([1e-40])
+    assert tiny.item() != 0.0 and (tiny * 1.0).item() == tiny.item()
+
+
 def test_failed_build_falls_back_to_sdpa(monkeypatch):
     monkeypatch.setattr(paged_kernel, "_state", {})
     monkeypatch.setenv("CXX", "/nonexistent/c++")
