@@ -42,6 +42,15 @@ def test_route_follows_the_cpu_the_shape_and_the_override(monkeypatch):
         fitting.pack()
 
 
+def test_row_block_is_the_tile_where_the_linears_run_on_the_kernel_else_onednns_block():
+    model = torch.nn.Sequential(linear.Linear(64, 48, bias=False), torch.nn.ReLU()).to(torch.bfloat16)
+    linear.pack_linears(model)
+    assert linear.row_block(model) == (bf16_gemm.TILE_ROWS if AMX else linear.BF16_ROW_BLOCK)
+    fp32 = linear.Linear(64, 48)
+    fp32.pack()
+    assert linear.row_block(fp32) == linear.BF16_ROW_BLOCK
+
+
 @needs_amx
 @pytest.mark.parametrize("shape", [(512, 2816), (192, 64), (1024, 512), (32, 16)])
 @pytest.mark.parametrize("bias", [False, True])

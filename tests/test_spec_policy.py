@@ -240,11 +240,13 @@ def test_the_trim_stops_short_of_a_row_block_that_its_rows_do_not_pay_for():
     assert 16 < 16 + sum(s.num_draft_slots for s in c) <= 32
 
 
-def test_a_probe_waits_for_a_step_where_its_row_does_not_begin_a_row_block():
+@pytest.mark.parametrize("block", [32, 16])      # oneDNN's bf16 row blocks, the AMX kernel's tiles
+def test_a_probe_waits_for_a_step_where_its_row_does_not_begin_a_row_block(block):
     """A request cut for PROBE_EVERY - 1 steps drafts one position, unless that row would begin another row
-    block (bf16 CPU): at 32 rows the 33rd costs the block; at 31 it fits."""
+    block (bf16 CPU): at 32 rows the 33rd costs the block; at 31 it fits (16 and 15 with 16-row blocks)."""
     p = fitted_policy(t0=0.010, t1=0.0002)
     p.block_s = 0.0002 * 30
+    p.row_block = block
 
     def step(others: int) -> int:
         full = [seq(f"f{others}-{i}", 1) for i in range(others)]                  # decode rows, no drafts
@@ -254,10 +256,10 @@ def test_a_probe_waits_for_a_step_where_its_row_does_not_begin_a_row_block():
         p.dry[probe.request.request_id] = PROBE_EVERY - 1
         p.trim([*full, probe])
         return probe.num_draft_slots
-    assert step(31) == 0                         # 32 rows: a probe row would begin a second block
-    assert step(30) == 1                         # 31 rows: it fits in the first
+    assert step(block - 1) == 0                  # a full block: a probe row would begin a second block
+    assert step(block - 2) == 1                  # one row short of it: it fits in the first
     p.block_s = 0.0
-    assert step(31) == 1                         # no staircase: the probe is a row like any other
+    assert step(block - 1) == 1                  # no staircase: the probe is a row like any other
 
 
 def test_the_row_block_step_is_timed_at_start_up_and_zero_where_the_cost_is_a_line():
@@ -265,12 +267,14 @@ def test_the_row_block_step_is_timed_at_start_up_and_zero_where_the_cost_is_a_li
 
     from specserve.server.engine.spec_policy import ROW_BLOCK, row_block_step
 
-    def runner(jump: float):
+    def runner(jump: float, block: int = ROW_BLOCK):
         return SimpleNamespace(time_verify_step=lambda seqs, q, ctx, reps=3:
-                               0.005 + 0.0002 * seqs * q + (jump if seqs * q > ROW_BLOCK else 0.0))
+                               0.005 + 0.0002 * seqs * q + (jump if seqs * q > block else 0.0))
     assert row_block_step(runner(0.002), (0.005, 0.0002)) == pytest.approx(0.002)
     assert row_block_step(runner(0.0), (0.005, 0.0002)) == 0.0
     assert row_block_step(runner(0.002), None) == 0.0
+    assert row_block_step(runner(0.002, 16), (0.005, 0.0002), 16) == pytest.approx(0.002)   # 16-row tiles
+    assert row_block_step(runner(0.002, 16), (0.005, 0.0002)) == 0.0      # timed at 32: no step there
 
 
 def test_a_drafter_whose_first_depth_alone_does_not_pay_keeps_the_run_of_depths_that_does():

@@ -31,7 +31,8 @@ k, never raises it, and each cut is counted: `spec_decode_refused_total{reason="
 `speculation.cuts["load"]` (also `num_steps_k_reduced`). Requests opt out with `"adaptive": false` in their
 `speculation`.
 
-The line is not the whole cost where the target's linears run in blocks of rows (bf16 on CPU: ROW_BLOCK, 32):
+The line is not the whole cost where the target's linears run in blocks of rows (bf16 on CPU: row_block, 16
+on the AMX tile kernel and 32 through oneDNN, linear.row_block):
 a forward one row past a block's end costs a block more (block_s, timed at start-up). The greedy choice above
 prices rows at t1; where it crosses a block boundary, the trim keeps the prefix of its choices (in the order
 taken) with the most tokens per second once each block begun is paid (step_cost.best_stop).
@@ -67,6 +68,7 @@ from specserve.server.engine.step_cost import (
     best_stop,
     blocks,
 )
+from specserve.server.models.linear import row_block
 from specserve.speculators.auto import LOOKUPS
 
 __all__ = ["CALIBRATION_SHAPES", "MIN_FIT_STEPS", "MIN_T1_RATIO", "GoodputPolicy", "StepCostModel",
@@ -104,7 +106,8 @@ class GoodputPolicy(MethodChoice, DraftCosts):
         self.cost = StepCostModel()
         self.calibration: list[tuple[int, float]] = []        # start-up (num_tokens, seconds) samples
         self.dry: dict[str, int] = {}                         # request id -> steps in a row without drafts
-        self.block_s = 0.0          # a forward's extra cost per block of ROW_BLOCK rows begun (bf16 CPU linear)
+        self.block_s = 0.0          # a forward's extra cost per block of row_block rows begun (bf16 CPU linear)
+        self.row_block = ROW_BLOCK  # rows per block of the target's linears (linear.row_block, set at calibration)
 
     # -- learning (the drafters' costs: DraftCosts) -----------------------------------------------------
     def calibrate(self, samples: list[tuple[int, float]]) -> None:
@@ -277,14 +280,14 @@ class GoodputPolicy(MethodChoice, DraftCosts):
                     to, nxt, nxt_cost = run(m, deeper, last + 1)
                     heapq.heappush(heap, (-nxt / nxt_cost, serial, m, last + 1, to, deeper, nxt_cost, nxt))
         if self.block_s > 0.0 and picks:            # the rows' cost is a staircase: stop where it pays most
-            stop = best_stop(*base, [(r, g, c) for _, r, g, c in picks], self.block_s)
+            stop = best_stop(*base, [(r, g, c) for _, r, g, c in picks], self.block_s, self.row_block)
             if stop < len(picks):
                 keep = [0] * len(adaptive)
                 for reached, _, _, _ in picks[:stop]:
                     for i, d in reached.items():
                         keep[i] = d
         rows = n_tokens + sum(keep)
-        room = blocks(rows) * ROW_BLOCK - rows if self.block_s > 0.0 else len(adaptive)
+        room = blocks(rows, self.row_block) * self.row_block - rows if self.block_s > 0.0 else len(adaptive)
         return self._apply(adaptive, keep, room)
 
     def _apply(self, adaptive: list[ScheduledSeq], keep: list[int], room: int) -> int:
@@ -317,27 +320,28 @@ def calibrated_policy(runner, max_num_seqs: int) -> GoodputPolicy:
             continue
     policy.calibrate(samples)
     fit = policy.cost.fit()
-    policy.block_s = row_block_step(runner, fit)
+    policy.row_block = row_block(runner.model)
+    policy.block_s = row_block_step(runner, fit, policy.row_block)
     if fit is None:
         log.warning("goodput policy: start-up calibration gave no usable step-cost fit (%d samples); "
                     "it will learn online", len(samples))
     else:
         log.info("goodput policy calibrated on %d step sizes: step = %.2f ms + %.3f ms per verified token, "
                  "+ %.2f ms per block of %d rows begun", len(samples), fit[0] * 1e3, fit[1] * 1e3,
-                 policy.block_s * 1e3, ROW_BLOCK)
+                 policy.block_s * 1e3, policy.row_block)
     return policy
 
 
-def row_block_step(runner, fit: tuple[float, float] | None) -> float:
-    """The extra seconds of a forward over ROW_BLOCK + 1 rows beyond one over ROW_BLOCK rows and the fit's
+def row_block_step(runner, fit: tuple[float, float] | None, block: int = ROW_BLOCK) -> float:
+    """The extra seconds of a forward over block + 1 rows beyond one over `block` rows and the fit's
     one more row (one sequence each, best of three): a bf16 CPU forward runs its linears in blocks of
-    ROW_BLOCK rows (1.3-2.2 ms more at 33 rows than at 32 on the embedded target), fp32 and CUDA do not
+    rows (oneDNN: 1.3-2.2 ms more at 33 rows than at 32 on the embedded target), fp32 and CUDA do not
     (~0). The trim then stops short of a block boundary where the rows past it do not pay for the step."""
     if fit is None:
         return 0.0
     try:
         at, past = (min(runner.time_verify_step(1, rows, CALIBRATION_CONTEXT) for _ in range(3))
-                    for rows in (ROW_BLOCK, ROW_BLOCK + 1))
+                    for rows in (block, block + 1))
     except ValueError:      # a cache too small for it
         return 0.0
     step = past - at - fit[1]

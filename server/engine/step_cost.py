@@ -107,7 +107,8 @@ def _centered(w: float, sn: float, snn: float, st: float, snt: float) -> tuple[f
     return max(snn - w * mean_n * mean_n, 0.0), snt - mean_n * st
 
 
-# A bf16 forward on CPU runs the linears in blocks of ROW_BLOCK rows (server/models/linear.py): one row past a
+# A bf16 forward on CPU runs the linears in blocks of rows (server/models/linear.py: oneDNN's ROW_BLOCK, or the
+# AMX kernel's 16-row tiles, linear.row_block; the policy keeps the one its target uses): one row past a
 # multiple of it runs one more block. Measured, bf16, the embedded target, one sequence: 31 rows 7.6 ms,
 # 32 rows 8.0, 33 rows 10.2, 34 rows 10.2; 64 rows 13.8, 65 rows 14.9. In fp32 no step: 14.7 / 14.5 ms at 32 / 33.
 ROW_BLOCK = BF16_ROW_BLOCK

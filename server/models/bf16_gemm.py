@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("bf16_gemm.cpp")
 KERNEL_ENV = "SPECSERVE_LINEAR_KERNEL"
+TILE_ROWS = 16             # rows per tile: a forward one row past a multiple of it runs one more tile of every weight
 KERNEL_CHOICES = ("auto", "onednn")
 
 _lock = threading.Lock()

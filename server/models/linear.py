@@ -122,6 +122,14 @@ def pack_linears(module: nn.Module) -> int:
     return count
 
 
+def row_block(module: nn.Module) -> int:
+    """Rows per block of the bf16 linears under `module`: a forward one row past a multiple of it costs a block
+    more (the goodput policy's staircase, server/engine/spec_policy.py). bf16_gemm's 16-row tiles where the
+    module's linears run on them, oneDNN's BF16_ROW_BLOCK otherwise."""
+    tiled = any(isinstance(m, Linear) and m.tiled for m in module.modules())
+    return bf16_gemm.TILE_ROWS if tiled else BF16_ROW_BLOCK
+
+
 def bf16_rows_stable(sizes: tuple[int, ...] = (1, 5, 17, 32, 40, 64, 100)) -> bool:
     """Does the packed bf16 path give every row the same bits whatever the rows around it, on this CPU?
 
