@@ -38,32 +38,33 @@ _state: dict[str, object] = {}      # "lib": ctypes.CDLL | None, "error": str
 
 def load() -> ctypes.CDLL | None:
     """The built kernel where this CPU and process can run it, else None (reason in `load_error()`)."""
-    with _lock:
-        if "lib" in _state:
-            return _state["lib"]
-        lib, error = None, None
-        choice = os.environ.get(KERNEL_ENV, "auto")
-        if choice not in KERNEL_CHOICES:
-            raise ValueError(f"{KERNEL_ENV}={choice!r}: expected one of {', '.join(KERNEL_CHOICES)}")
-        if choice == "onednn":
-            error = f"{KERNEL_ENV}=onednn"
-        elif not native_build.cpu_flags() & {"amx_bf16"}:
-            error = "this CPU has no AMX-BF16"
-        else:
-            try:
-                lib = ctypes.CDLL(str(native_build.build(SOURCE)))
-                fn = lib.specserve_bf16_linear
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-                fn.restype = ctypes.c_int
-                if lib.specserve_amx_ready() != 1:
-                    lib, error = None, "Linux did not grant this process the AMX tile state"
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                lib, error = None, f"the kernel does not build: {exc}"
-        if error is not None:
-            logger.info("bf16 linears: oneDNN (%s)", error)
-        _state["lib"], _state["error"] = lib, error
-        return lib
+    return native_build.load_once(_state, _lock, _open)
+
+
+def _open() -> ctypes.CDLL | None:
+    lib, error = None, None
+    choice = os.environ.get(KERNEL_ENV, "auto")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: expected one of {', '.join(KERNEL_CHOICES)}")
+    if choice == "onednn":
+        error = f"{KERNEL_ENV}=onednn"
+    elif not native_build.cpu_flags() & {"amx_bf16"}:
+        error = "this CPU has no AMX-BF16"
+    else:
+        try:
+            lib = ctypes.CDLL(str(native_build.build(SOURCE)))
+            fn = lib.specserve_bf16_linear
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            if lib.specserve_amx_ready() != 1:
+                lib, error = None, "Linux did not grant this process the AMX tile state"
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            lib, error = None, f"the kernel does not build: {exc}"
+    if error is not None:
+        logger.info("bf16 linears: oneDNN (%s)", error)
+    _state["error"] = error
+    return lib
 
 
 def load_error() -> str | None:

@@ -9,13 +9,15 @@ to the libgomp torch has already loaded (same soname), so the kernels share torc
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 
 FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
@@ -76,3 +78,13 @@ def build(source: Path, headers: Sequence[Path] = (), include_dirs: Sequence[Pat
                 return target
             errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-400:]}")
     raise RuntimeError("; ".join(errors))
+
+
+def load_once(state: MutableMapping[str, object], lock: threading.Lock,
+              open_lib: Callable[[], ctypes.CDLL | None]) -> ctypes.CDLL | None:
+    """state["lib"], opened by `open_lib` on the first call (None where it cannot be; `open_lib` keeps the
+    reason in state["error"]). Thread-safe; a module's tests may swap state["lib"]."""
+    with lock:
+        if "lib" not in state:
+            state["lib"] = open_lib()
+        return state["lib"]

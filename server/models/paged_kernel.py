@@ -48,27 +48,26 @@ _state: dict[str, object] = {}      # "lib": ctypes.CDLL | None, "error": str
 
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None (the reason is logged once and kept in `load_error()`)."""
-    with _lock:
-        if "lib" in _state:
-            return _state["lib"]
-        lib = None
-        try:
-            lib = ctypes.CDLL(str(native_build.build(SOURCE, HEADERS)))
-            fn = lib.specserve_paged_attention
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                           ctypes.c_float, ptr, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            step = lib.specserve_paged_attention_step
-            step.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64,
-                             i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
-            step.restype = ctypes.c_int
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            _state["error"] = str(exc)
-            logger.warning("paged attention kernel unavailable, torch SDPA serves attention instead: %s", exc)
-            lib = None
-        _state["lib"] = lib
+    return native_build.load_once(_state, _lock, _open)
+
+
+def _open() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(native_build.build(SOURCE, HEADERS)))
+        fn = lib.specserve_paged_attention
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                       ctypes.c_float, ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        step = lib.specserve_paged_attention_step
+        step.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64,
+                         i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+        step.restype = ctypes.c_int
         return lib
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        _state["error"] = str(exc)
+        logger.warning("paged attention kernel unavailable, torch SDPA serves attention instead: %s", exc)
+        return None
 
 
 def load_error() -> str | None:
