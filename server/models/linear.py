@@ -30,7 +30,7 @@ the same row computed alone, so bf16 runs in such blocks (256 rows: 5.5 ms inste
 
 On CPUs with AMX, bf16 weights of fitting shapes go to bf16_gemm.py instead (`tiled`): a kernel of this
 package whose rows are bit-identical at every batch size by construction, without oneDNN's fixed cost
-per call; at 1-16 rows the target's 33 linears take ~0.6x oneDNN's time (numbers there).
+per call; at 1-16 rows the target's 33 linears take ~0.55x oneDNN's time (numbers there).
 """
 from __future__ import annotations
 
