@@ -97,3 +97,36 @@ def test_bench_linear_prints_both_kernels_side_by_side():
                               "--rounds", "1", "--passes", "1"])
     assert [r["rows"] for r in rows] == [1, 17]
     assert all(r["agree"] and r["onednn_us"] > 0 and r["tiled_us"] > 0 for r in rows)
+
+
+@needs_amx
+def test_the_torch_operator_gives_the_ctypes_entrys_bits_and_is_what_packed_layers_call():
+    """Both entries run one kernel: same bits for 1 and 37 rows, batched input, bias; a layer packed where the
+    operator builds calls it (tiled_op), one packed where it does not keeps the ctypes entry."""
+    op = bf16_gemm.load_op()
+    assert op is not None, bf16_gemm._op_state.get("error")
+    torch.manual_seed(2)
+    layer = linear.Linear(64, 48, bias=True).to(torch.bfloat16)
+    layer.pack()
+    assert layer.tiled_op
+    bound = bf16_gemm.bind(layer.packed, layer.tiled_bias)
+    with torch.inference_mode():
+        for x in (torch.randn(1, 64), torch.randn(37, 64)):
+            x = x.to(torch.bfloat16)
+            assert torch.equal(op(x, layer.packed, layer.tiled_bias), bound(x))
+            assert torch.equal(layer(x), bound(x))
+        x3 = torch.randn(2, 3, 64).to(torch.bfloat16)
+        assert torch.equal(op(x3, layer.packed, layer.tiled_bias), bound(x3.reshape(6, 64)).view(2, 3, 48))
+        with pytest.raises(RuntimeError, match="input must be CPU bf16"):
+            op(torch.randn(2, 32).to(torch.bfloat16), layer.packed, None)
+
+
+@needs_amx
+def test_without_the_operator_layers_keep_the_ctypes_entry(monkeypatch):
+    monkeypatch.setattr(bf16_gemm, "_op_state", {"lib": None, "error": "no operator under test"})
+    layer = linear.Linear(64, 48, bias=False).to(torch.bfloat16)
+    layer.pack()
+    assert layer.tiled and not layer.tiled_op
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), bf16_gemm.bind(layer.packed, None)(x))

@@ -6,7 +6,9 @@ layer stack turns those into a few generated kernels per layer.
 
 What stays outside the graph, called through custom ops so the compiled code runs exactly the eager
 kernels: every packed Linear (`specserve::packed_linear`: the opaque oneDNN weight of server/models/linear.py
-cannot be traced, and its row-stable kernel is what keeps greedy speculation exact) and paged
+cannot be traced, and its row-stable kernel is what keeps greedy speculation exact; a Linear on the AMX
+tile kernel calls that kernel's own C++ operator, `specserve_native::tiled_linear`, server/models/bf16_gemm.py,
+with its packed weight as a graph input of fixed shape) and paged
 attention (`specserve::paged_attention` below: the KV cache and the per-step metadata are Python
 structures that change every step; the op finds them in a per-thread forward context instead of as
 graph inputs, so nothing is re-traced and the cache is never copied by functionalization). RoPE's

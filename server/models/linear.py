@@ -34,6 +34,7 @@ per call; at 1-16 rows the target's 33 linears take ~0.55x oneDNN's time (number
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -58,19 +59,27 @@ class Linear(nn.Linear):
     tiled: bool = False                    # packed is bf16_gemm's layout (AMX kernel), not oneDNN's
     tiled_bias: torch.Tensor | None = None   # fp32 bias for the AMX kernel
     tiled_call: Callable[[torch.Tensor], torch.Tensor] | None = None   # the kernel with weight and bias bound
+    tiled_op: bool = False                 # the kernel is also a torch operator (compiled graphs call it directly)
     handle: int = -1                       # key of this Linear for compiled graphs (server/models/compiled.py)
     fp32_weight: torch.Tensor | None = None   # drafters only: F.linear on this fp32 copy (latency_tuning.py)
     fp32_bias: torch.Tensor | None = None
 
     def pack(self) -> None:
         weight = self.weight
-        self.packed, self.tiled, self.tiled_bias, self.tiled_call = None, False, None, None
+        self.packed, self.tiled, self.tiled_bias, self.tiled_call, self.tiled_op = None, False, None, None, False
         self.fp32_weight = self.fp32_bias = None      # a snapshot of the old weights: re-tune after packing
         if bf16_gemm.fits(weight) and bf16_gemm.load() is not None:
             with torch.no_grad():
                 self.packed, self.tiled = bf16_gemm.pack(weight), True
                 self.tiled_bias = None if self.bias is None else self.bias.detach().float().contiguous()
-                self.tiled_call = bf16_gemm.bind(self.packed, self.tiled_bias)
+                op = bf16_gemm.load_op()
+                self.tiled_op = op is not None
+                if self.tiled_op:               # a graph input of fixed shape: compiled graphs do not generalise it
+                    torch._dynamo.mark_static(self.packed)
+                    if self.tiled_bias is not None:
+                        torch._dynamo.mark_static(self.tiled_bias)
+                self.tiled_call = (bf16_gemm.bind(self.packed, self.tiled_bias) if op is None
+                                   else functools.partial(op, packed=self.packed, bias=self.tiled_bias))
         elif ONEDNN_PACKING and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES:
             try:
                 with torch.no_grad():
@@ -88,6 +97,8 @@ class Linear(nn.Linear):
         if (self.packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu"
                 and not torch.is_grad_enabled()):
             if torch.compiler.is_compiling():   # the opaque packed weight cannot be traced: a custom op
+                if self.tiled_op:                   # the AMX kernel's own operator
+                    return torch.ops.specserve_native.tiled_linear(x, self.packed, self.tiled_bias)
                 return compiled.packed_linear_op(x, self.handle)
             return self.run_packed(x)
         return F.linear(x, self.weight, self.bias)

@@ -9,7 +9,6 @@ to the libgomp torch has already loaded (same soname), so the kernels share torc
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import platform
@@ -19,7 +18,9 @@ import tempfile
 import threading
 from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
+T = TypeVar("T")
 FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
 
 
@@ -55,13 +56,16 @@ def compiler() -> str:
     return found
 
 
-def build(source: Path, headers: Sequence[Path] = (), include_dirs: Sequence[Path] = ()) -> Path:
+def build(source: Path, headers: Sequence[Path] = (), include_dirs: Sequence[Path] = (),
+          extra: Sequence[str] = (), key_text: str = "") -> Path:
     """The shared library of `source` for this machine: from the cache, else compiled into it (atomically:
-    concurrent builders never see a half-written file). Raises RuntimeError / OSError when nothing builds."""
+    concurrent builders never see a half-written file). `extra`: more compiler and linker arguments; they and
+    `key_text` (e.g. the torch version a library links against) are part of the cache key. Raises RuntimeError / OSError when nothing builds."""
     cxx = compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     text = source.read_bytes() + b"".join(h.read_bytes() for h in headers)
-    key = hashlib.sha256(text + version.encode() + _cpu_signature().encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + version.encode() + _cpu_signature().encode() + " ".join([*extra, key_text]).encode()
+                         ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
@@ -71,7 +75,8 @@ def build(source: Path, headers: Sequence[Path] = (), include_dirs: Sequence[Pat
     for flags in FLAG_SETS:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cxx, *flags, *includes, "-fopenmp", "-std=c++17", "-shared", "-fPIC", str(source), "-o", str(out)]
+            cmd = [cxx, *flags, *includes, "-fopenmp", "-std=c++17", "-shared", "-fPIC", str(source), *extra,
+                   "-o", str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode == 0:
                 os.replace(out, target)
@@ -80,8 +85,7 @@ def build(source: Path, headers: Sequence[Path] = (), include_dirs: Sequence[Pat
     raise RuntimeError("; ".join(errors))
 
 
-def load_once(state: MutableMapping[str, object], lock: threading.Lock,
-              open_lib: Callable[[], ctypes.CDLL | None]) -> ctypes.CDLL | None:
+def load_once(state: MutableMapping[str, object], lock: threading.Lock, open_lib: Callable[[], T | None]) -> T | None:
     """state["lib"], opened by `open_lib` on the first call (None where it cannot be; `open_lib` keeps the
     reason in state["error"]). Thread-safe; a module's tests may swap state["lib"]."""
     with lock:
