@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         one_pass(arms[name], inputs)
                     times[name].append((time.perf_counter() - start) / args.passes * 1e6)
             a, b = one_pass(arms["onednn"], inputs), one_pass(arms["tiled"], inputs)
-            agree = all(((x.float() - y.float()).abs() <= y.float().abs() * 2 ** -7 + 1e-2).all() for x, y in zip(a, b))
+            agree = all(((x.float() - y.float()).abs() <= y.float().abs() * 2 ** -7 + 1e-2).all()
+                        for x, y in zip(a, b))
             o, t = statistics.median(times["onednn"]), statistics.median(times["tiled"])
             results.append(dict(rows=rows, onednn_us=o, tiled_us=t, agree=agree))
             print(f"{rows:5d} {o:9.0f} {t:9.0f} {o / t:12.2f} {mb / t * 1e3:10.1f} {'yes' if agree else 'NO':>6}",

@@ -148,7 +148,8 @@ extern "C" AMX_TARGET int specserve_bf16_linear(const uint16_t* x, int64_t M, in
                 a = stage.data();
             }
             tile_block(a, K, wp, nb0, blocks, c);
-            store_rows(c, m, blocks, bias == nullptr ? nullptr : bias + nb0 * 16, out + rb * TILE_ROWS * N + nb0 * 16, N);
+            store_rows(c, m, blocks, bias == nullptr ? nullptr : bias + nb0 * 16, out + rb * TILE_ROWS * N + nb0 * 16,
+                       N);
         }
         _tile_release();
     }

@@ -3,9 +3,9 @@
 Why: oneDNN's packed bf16 linear (linear.py) costs ~15-20 µs a call before it reads a byte, and the
 target's decode step makes 33 such calls; at 1-16 rows the 33 linears of the embedded target ran 2.5-2.8 ms
 through oneDNN and 1.4-1.5 ms through this kernel (2-core AMX Xeon, weights cycling through the caches as
-in a step; `python -m loadtest.bench_linear`; 2.8-2.9x at 64-256 rows). The kernel also keeps what exact speculation rests on: a row's
-result depends on that row only (bf16_gemm.cpp says how), at every batch size, so it needs none of the
-32-row blocking oneDNN's bf16 kernel needs.
+in a step; `python -m loadtest.bench_linear`; 2.8-2.9x at 64-256 rows). The kernel also keeps what exact
+speculation rests on: a row's result depends on that row only (bf16_gemm.cpp says how), at every batch
+size, so it needs none of the 32-row blocking oneDNN's bf16 kernel needs.
 
 Where it applies: the CPU has AMX-BF16 and Linux grants the tile state, the weight is bf16 with K a
 multiple of 32 and N of 16. Elsewhere linear.py keeps oneDNN. Set SPECSERVE_LINEAR_KERNEL=onednn to keep

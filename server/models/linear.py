@@ -55,7 +55,7 @@ BF16_ROW_BLOCK = 32
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 class Linear(nn.Linear):
-    packed: torch.Tensor | None = None     # opaque oneDNN copy of weight [out, in], or bf16_gemm's tiles; None = F.linear
+    packed: torch.Tensor | None = None     # oneDNN's copy of weight [out, in] or bf16_gemm's tiles; None: F.linear
     tiled: bool = False                    # packed is bf16_gemm's layout (AMX kernel), not oneDNN's
     tiled_bias: torch.Tensor | None = None   # fp32 bias for the AMX kernel
     tiled_call: Callable[[torch.Tensor], torch.Tensor] | None = None   # the kernel with weight and bias bound
@@ -117,9 +117,7 @@ class Linear(nn.Linear):
             return torch.cat([self._packed(part) for part in x.split(BF16_ROW_BLOCK)])
         return self._packed(x)
 
-    def _packed(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiled_call is not None:
-            return self.tiled_call(x)
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:      # oneDNN's: run_packed took the tiled ones
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

@@ -1,8 +1,9 @@
 """Build a C++ source of this package into a shared library on the machine that runs it, once, cached.
 
-Used by the paged attention kernel (paged_kernel.py) and the bf16 linear kernel (bf16_gemm.py). Sources
-include only the C++ standard library and compiler intrinsics, so a build takes a second or two with g++
-and the result is called through ctypes. The library goes into a cache folder keyed by the sources, the
+Used by the paged attention kernel (paged_kernel.py) and the bf16 linear kernel (bf16_gemm.py). The kernels
+include only the C++ standard library and compiler intrinsics (a second or two with g++) and are called
+through ctypes; the linear kernel's torch operator also includes a few torch headers (`extra` flags, ~5 s).
+The library goes into a cache folder keyed by the sources, the
 compiler and the CPU (SPECSERVE_KERNEL_CACHE, default ~/.cache/specserve/kernels): an image built on one
 machine still gets code for the CPU it runs on. `-march=native` falls back to generic -O3. OpenMP resolves
 to the libgomp torch has already loaded (same soname), so the kernels share torch's threads.
@@ -56,11 +57,11 @@ def compiler() -> str:
     return found
 
 
-def build(source: Path, headers: Sequence[Path] = (), include_dirs: Sequence[Path] = (),
-          extra: Sequence[str] = (), key_text: str = "") -> Path:
+def build(source: Path, headers: Sequence[Path] = (), extra: Sequence[str] = (), key_text: str = "") -> Path:
     """The shared library of `source` for this machine: from the cache, else compiled into it (atomically:
     concurrent builders never see a half-written file). `extra`: more compiler and linker arguments; they and
-    `key_text` (e.g. the torch version a library links against) are part of the cache key. Raises RuntimeError / OSError when nothing builds."""
+    `key_text` (e.g. the torch version a library links against) are part of the cache key.
+    Raises RuntimeError / OSError when nothing builds."""
     cxx = compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     text = source.read_bytes() + b"".join(h.read_bytes() for h in headers)
@@ -70,12 +71,11 @@ def build(source: Path, headers: Sequence[Path] = (), include_dirs: Sequence[Pat
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    includes = [f"-I{d}" for d in include_dirs]
     errors = []
     for flags in FLAG_SETS:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cxx, *flags, *includes, "-fopenmp", "-std=c++17", "-shared", "-fPIC", str(source), *extra,
+            cmd = [cxx, *flags, "-fopenmp", "-std=c++17", "-shared", "-fPIC", str(source), *extra,
                    "-o", str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode == 0:

@@ -12,9 +12,9 @@ bit-identical alone or in any batch, with any number of drafts beside it.
 
 Considered instead: FlexAttention (CPU inductor code generation compiles per block-mask shape and takes
 tens of seconds per graph on 2 cores, and its reduction tiling follows the key count, so the fixed-order
-guarantee would have to be re-proved per torch release); a torch C++ extension (torch/extension.h makes
-one build take about a minute on 2 cores and needs ninja). This source includes only the C++ standard
-library, builds in about two seconds with g++ and is called through ctypes.
+guarantee would have to be re-proved per torch release). This source includes only the C++ standard
+library, builds in about two seconds with g++ and is called through ctypes (a torch operator, as
+bf16_gemm_op.cpp makes of the linear kernel, would save the Python around each call).
 
 Build: at first use, through native_build.py (g++ -O3 -march=native -fopenmp, cached per source, compiler
 and CPU). If no compiler works, `load()` returns None with the reason logged, and attention.py falls back
