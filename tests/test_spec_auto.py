@@ -326,3 +326,49 @@ def test_every_offered_lookup_draft_is_scored_against_what_the_request_went_on_t
     auto.choose([r], [4])
     auto.release(r)
     assert "r" not in auto._offered
+
+
+def test_a_lookup_whose_last_draft_was_emitted_whole_is_kept_unpriced_while_it_drafts_all_k():
+    """A request that emitted the whole of a lookup's latest draft keeps that lookup, without the chooser
+    and without running the other lookups, while it drafts all k; a draft cut short, a partly rejected one
+    or a lookup that now drafts fewer than k sends the request back to the chooser."""
+    answer = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    ran: list[str] = []
+
+    class Copy(Speculator):
+        """Drafts the answer from the request's position, `cut` tokens at most."""
+        cut = 8
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def propose(self, requests, ks):
+            ran.append(self.name)
+            return DraftProposal([answer[r.num_tokens - 3:][:min(k, self.cut)] for r, k in zip(requests, ks)],
+                                 [None] * len(ks))
+
+    suffix, ngram = Copy("suffix"), Copy("ngram")
+    auto = AutoSpeculator({"suffix": suffix, "ngram": ngram, "eagle3": Speculator()})
+    priced: list[str] = []
+    auto.chooser = lambda reqs, ks, lengths: priced.extend(r.request_id for r in reqs) or ["suffix"] * len(reqs)
+    r, other = fake("r"), fake("o")
+    assert auto.choose([r, other], [2, 2]) == ["suffix", "suffix"]
+    assert priced == ["r", "o"] and ran == ["suffix", "ngram"]          # nothing emitted yet: both priced
+    r.all_token_ids += [5, 6, 7]                                       # r emitted its 2-token draft whole
+    other.all_token_ids += [5, 9]                                      # other's second token was not the draft
+    priced.clear(), ran.clear()
+    assert auto.choose([r, other], [2, 2]) == ["suffix", "suffix"]
+    assert priced == ["o"]
+    assert ran == ["suffix", "suffix", "ngram"]      # r: its kept lookup, which drafts all k; o: every lookup
+    # r runs only its kept lookup once that drafts all k
+    r.all_token_ids += [8, 9, 10]
+    priced.clear(), ran.clear()
+    assert auto.choose([r], [2]) == ["suffix"] and priced == [] and ran == ["suffix"]
+    # a lookup that now drafts fewer than k: priced again, with every lookup's draft
+    r.all_token_ids += [11, 12, 13]
+    suffix.cut = ngram.cut = 1
+    priced.clear(), ran.clear()
+    auto.choose([r], [2])
+    assert priced == ["r"] and ran == ["suffix", "ngram"]
+    auto.release(r)
+    assert "r" not in auto._whole
