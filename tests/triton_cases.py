@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,29 @@ ON_CPU = DEVICE == "cpu"
 if ON_CPU and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("on CPU these cases run under Triton's interpreter: set TRITON_INTERPRET=1")
 MAX_CONTEXT = 300 if ON_CPU else 2048     # the interpreter walks every program in numpy
+
+
+def _dot_row_by_row() -> None:
+    """Under the interpreter, `tl.dot` is numpy's matmul of the whole tile, and the BLAS under it may round a
+    row by its place in the tile: with OpenBLAS's AVX2 kernels, row 2 of a 5-row verify tile differed in its
+    last bits from the same row decoded alone in row 0. A GPU's MMA makes each output element from its own
+    row and column, which is what the kernel's batch invariance rests on; so the interpreter's dot here
+    multiplies one row at a time, every row in a product of the same shape. What reaches each row (tiles,
+    masks, windows, the online softmax across KV chunks) is still the kernel's."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    whole = InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *args):
+        rows = [whole(self, TensorHandle(a.data[..., i:i + 1, :], a.dtype.scalar), b,
+                      TensorHandle(d.data[..., i:i + 1, :], d.dtype.scalar), *args).data
+                for i in range(a.data.shape[-2])]
+        return TensorHandle(np.concatenate(rows, axis=-2), d.dtype.scalar)
+    InterpreterBuilder.create_dot = create_dot
+
+
+if ON_CPU:
+    _dot_row_by_row()
 
 
 def make_batch(query_lens, seq_lens, *, heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
