@@ -153,13 +153,14 @@ class AutoSpeculator(Speculator):
         found: dict[str, list[list[int]]] = {m: [[] for _ in reqs] for m in lookups}
         self.lookup_seconds = {m: (0.0, 0) for m in lookups}
         kept: dict[int, str] = {}               # request -> the lookup it keeps unpriced
-        whole = {j: self._whole.get(reqs[j].request_id, ()) for j in looked}
-        for m in lookups:       # the lookups a request emitted whole first: one that drafts all k is kept
-            first = [j for j in looked if m in whole[j] and j not in kept]
+        whole = {j: w for j in looked if (w := self._whole.get(reqs[j].request_id))}
+        for m in lookups if whole else ():      # the lookups emitted whole first: one drafting all k is kept
+            first = [j for j, w in whole.items() if m in w and j not in kept]
             self._run_lookup(m, reqs, live_ks, first, found[m])
             kept.update((j, m) for j in first if len(found[m][j]) >= live_ks[j] > 0)
         for m in lookups:
-            self._run_lookup(m, reqs, live_ks, [j for j in looked if j not in kept and m not in whole[j]], found[m])
+            self._run_lookup(m, reqs, live_ks, [j for j in looked if j not in kept and m not in whole.get(j, ())],
+                             found[m])
         lengths, looked_set = [], set(looked)
         for j, (req, k) in enumerate(zip(reqs, live_ks)):
             drafts = {m: found[m][j] for m in found}
@@ -172,7 +173,7 @@ class AutoSpeculator(Speculator):
         priced = [j for j in range(len(reqs)) if j not in kept]
         chosen = iter(chooser([reqs[j] for j in priced], [live_ks[j] for j in priced], lengths) if priced else [])
         choices = ["none"] * len(requests)
-        for i, j in zip(live, range(len(reqs))):
+        for j, i in enumerate(live):
             choices[i] = kept[j] if j in kept else next(chosen)
         return choices
 
@@ -224,7 +225,7 @@ class AutoSpeculator(Speculator):
                 whole.append(method)
         self._offered[request.request_id] = keep
         if whole:
-            self._whole[request.request_id] = tuple(sorted(whole, key=LOOKUPS.index))
+            self._whole[request.request_id] = tuple(whole)
 
     def lookups(self) -> list[str]:
         """The loaded members that `choose` runs for every request it does not leave resting."""
