@@ -58,9 +58,10 @@ def test_with_a_model_drafter_loaded_the_default_is_auto_under_the_goodput_polic
     (spec_out,) = llm.generate(["a b c a b c a b"], params)
     (plain,) = llm.generate(["a b c a b c a b"], params, speculation={"method": "none"})
     stats = spec_out.spec_stats
-    assert stats.method == "auto" and stats.k == 8 and sum(row[0] for row in stats.by_method.values()) == 24
-    # the tiny target's drafter is the target itself: drafting with it never pays, and auto plain-decodes
-    assert stats.by_method.get("draft", [0])[0] == 0
+    # each step emits one token plus the drafts it accepted, whichever method auto took for it
+    rows = stats.by_method.values()
+    assert stats.method == "auto" and stats.k == 8 and sum(row[0] + row[2] for row in rows) == 24
+    assert set(stats.by_method) <= {"none", "draft", "ngram", "suffix"}
     assert plain.spec_stats.num_drafts == 0 and spec_out.token_ids == plain.token_ids
 
 

@@ -53,6 +53,9 @@ def pick_dtype(name: str, device: torch.device, attention_backend: str = "auto")
     batched greedy outputs differ from their lone plain decoding in bf16 (loadtest.batch_invariance).
     """
     if name != "auto":
+        if name == "bfloat16" and device.type == "cpu" and (problem := cpu_bf16_problem(attention_backend)):
+            log.warning("--dtype bfloat16 on this CPU: %s; greedy and seeded output may then depend on the "
+                        "batch and on speculation (--dtype auto would pick float32)", problem)
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16
