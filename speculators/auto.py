@@ -43,6 +43,7 @@ from specserve.speculators.base import (
     Speculator,
     VerifiedStep,
     attempted_positions,
+    count_depths,
 )
 
 LOOKUPS = ("suffix", "ngram")           # members whose draft is known before choosing (no model)
@@ -197,12 +198,12 @@ class AutoSpeculator(Speculator):
     def score_offers(self, request: SpecRequest) -> None:
         """Score the lookup drafts offered to `request` at earlier steps, chosen or not, against the tokens it
         emitted since, once each outcome is known (a mismatch, or the whole draft matched): accepted and
-        attempted positions per lookup in `spec_stats.lookup_scores`, as verification would have counted
-        them (a deterministic draft token is accepted exactly when it is the token the target emits, greedy
-        or sampled). Counted from the drafts verified only, a lookup was measured on the steps the other
-        one had no draft, the hard ones: on prose at T = 0, n-gram, taken at 4 such steps, accepted 0 of
-        its 19 drafts and was not chosen again in that request, where alone it ran 2.9x plain decoding
-        against suffix's 2.6x. Reads only tokens already emitted: the choice stays exact."""
+        attempted positions per lookup in `spec_stats.lookup_scores` (and per depth in `lookup_depths`), as
+        verification would have counted them (a deterministic draft token is accepted exactly when it is the
+        token the target emits, greedy or sampled). Counted from the drafts verified only, a lookup was
+        measured on the steps the other one had no draft, the hard ones: on prose at T = 0, n-gram, taken
+        at 4 such steps, accepted 0 of its 19 drafts and was not chosen again in that request, where alone
+        it ran 2.9x plain decoding against suffix's 2.6x. Reads only tokens already emitted: the choice stays exact."""
         pending = self._offered.get(request.request_id)
         self._whole.pop(request.request_id, None)
         if not pending:
@@ -221,6 +222,7 @@ class AutoSpeculator(Speculator):
             row = scores.setdefault(method, [0, 0])
             row[0] += accepted
             row[1] += attempted_positions(len(draft), accepted)
+            count_depths(request.spec_stats.lookup_depths.setdefault(method, [[], []]), len(draft), accepted)
             if accepted == len(draft) and pos == latest:
                 whole.append(method)
         self._offered[request.request_id] = keep

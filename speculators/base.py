@@ -44,6 +44,23 @@ def count_accepted_positions(per_pos: list[int], num_draft: int, num_accepted: i
         per_pos[i] += 1
 
 
+def count_depths(rows: list[list[float]], num_draft: int, num_accepted: int, decay: float = 1.0) -> None:
+    """rows = [reached, accepted], per depth (index d - 1): count one draft of num_draft tokens of which the
+    first num_accepted were accepted (it reached depths 1..attempted_positions), the earlier counts first
+    scaled by `decay`. accepted[d] / reached[d] is the acceptance at depth d given the earlier ones were."""
+    reached, accepted = rows
+    if decay != 1.0:
+        reached[:] = [x * decay for x in reached]
+        accepted[:] = [x * decay for x in accepted]
+    depth = attempted_positions(num_draft, num_accepted)
+    if len(reached) < depth:
+        reached.extend([0] * (depth - len(reached)))
+        accepted.extend([0] * (depth - len(accepted)))
+    for d in range(depth):
+        reached[d] += 1
+        accepted[d] += d < num_accepted
+
+
 def attempted_positions(num_draft: int, num_accepted: int) -> int:
     """Draft positions a verification reached: the accepted ones plus the first rejected one, if any.
     accepted / attempted estimates the acceptance at a position given the earlier ones were accepted."""
@@ -88,6 +105,9 @@ class SpecStats:
     # auto: lookup -> [accepted, attempted positions] of every draft it offered, chosen or not, scored against
     # the tokens the request went on to emit (AutoSpeculator.score_offers); internal, not reported
     lookup_scores: dict[str, list[int]] = field(default_factory=dict)
+    # auto: lookup -> [reached, accepted] per depth of the same drafts (count_depths; internal): a lookup draft
+    # that matched its first tokens is copying text, and is accepted further on more often than at its start
+    lookup_depths: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def record_method(self, method: str, num_draft: int, num_accepted: int) -> None:
         row = self.by_method.setdefault(method, [0, 0, 0, 0])

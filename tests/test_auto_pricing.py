@@ -4,6 +4,8 @@ than a share of the step."""
 import pytest
 from test_spec_policy import T0, T1, fitted_policy, seq
 
+from specserve.server.engine.method_choice import MethodChoice
+from specserve.server.engine.scheduler import ScheduledSeq
 from specserve.server.engine.spec_policy import PROBE_EVERY
 
 
@@ -189,3 +191,32 @@ def test_the_best_depth_search_stops_at_the_first_fall_and_finds_the_same_best_a
         args = (rng.random(), rng.randint(1, 12), rng.uniform(1e-4, 0.02), rng.uniform(0.0, 2e-3),
                 rng.uniform(0.0, 3e-3), rng.uniform(0.0, 3e-3))
         assert MethodChoice._best_rate(*args) == pytest.approx(every_depth(*args), rel=1e-12)
+
+
+def test_a_lookup_is_priced_by_its_acceptance_at_each_depth():
+    """A lookup's draft is copied text: wrong from its first token, or right for many. Here the server
+    verified n-gram drafts of 8 that were either rejected at once or accepted whole, and an `auto` request's
+    first three n-gram offers missed. Per depth, its next 8-token draft has a fair chance at depth 1 and
+    then little chance of a miss: it beats a head (alpha 0.75, 2 ms a depth) and is verified whole. Priced at
+    one acceptance per position from the same counts (0.5), the head would win and the trim would cut it."""
+    p = fitted_policy()
+    p.observe_propose("eagle3", 0.002, 1)
+    for i in range(20):
+        p.observe_acceptance("ngram", 8, 8 * (i % 2))
+    real = p.request_alpha
+    p.request_alpha = lambda request, method, explore=False: 0.75 if method == "eagle3" else real(request, method)
+    r = seq("r", 8, method="auto").request
+    r.spec_stats.lookup_scores["ngram"] = [0, 3]
+    r.spec_stats.lookup_depths["ngram"] = [[3], [0]]
+    survive = p.request_survival(r, "ngram", 8)
+    assert survive[0] == pytest.approx(0.32, abs=0.02) and survive[7] > 0.75 * survive[0]
+    alpha = p.request_alpha(r, "ngram")
+    assert alpha == pytest.approx(0.5, abs=0.02)
+    head = MethodChoice._best_rate(0.75, 8, T0, T1, 0.002)
+    assert MethodChoice._best_rate(survive, 8, T0, T1, 0.0) > head > MethodChoice._best_rate(alpha, 8, T0, T1, 0.0)
+    assert p.choose_method(r, 8, {"eagle3": 8, "ngram": 8}) == "ngram"
+    s = ScheduledSeq(r, 1, 8)
+    p.trim([s], ["ngram"])
+    assert s.num_draft_slots == 8
+    plain = seq("plain", 8).request                      # not `auto`: no offers scored, one acceptance
+    assert p.request_survival(plain, "ngram", 3) == pytest.approx([real(plain, "ngram") ** d for d in (1, 2, 3)])

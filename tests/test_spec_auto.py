@@ -316,6 +316,8 @@ def test_every_offered_lookup_draft_is_scored_against_what_the_request_went_on_t
     auto.choose([r], [4], no_lookups=lambda request: True)
     # position 3: suffix matched whole (2 of 2); position 4 ([6, 9] emitted): both missed their first token
     assert r.spec_stats.lookup_scores == {"ngram": [0, 2], "suffix": [2, 3]}
+    # per depth [reached, accepted]: suffix's first draft reached and passed depths 1 and 2, its second missed at 1
+    assert r.spec_stats.lookup_depths == {"ngram": [[2], [0]], "suffix": [[2, 1], [1, 1]]}
     auto.choose([r], [4], no_lookups=lambda request: True)
     assert r.spec_stats.lookup_scores == {"ngram": [0, 2], "suffix": [2, 3]}     # nothing new was offered
 

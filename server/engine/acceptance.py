@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from specserve.speculators.base import attempted_positions
+from specserve.speculators.base import attempted_positions, count_depths
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class AcceptanceHistory:
         self.probed: dict[tuple[str, str], float] = {}           # (method, band) -> probe acceptance
         self.traffic: dict[tuple[str, str], list[float]] = {}    # slow's counts since the probe
         self._rated: dict[tuple[str, str], float | None] = {}   # rating()'s answers until the next count
+        self.depths: dict[tuple[str, str], list[list[float]]] = {}   # slow's counts per depth (count_depths)
 
     def observe(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy",
                 watch: bool = True) -> None:
@@ -80,6 +81,8 @@ class AcceptanceHistory:
         baseline = acc[0] / acc[1] if acc[1] >= COLLAPSE_MIN_ATTEMPTED else None   # before this step
         acc[0] = acc[0] * METHOD_DECAY + num_accepted
         acc[1] = acc[1] * METHOD_DECAY + attempted
+        if not watch:                       # a context lookup: per depth too (depth_alphas)
+            count_depths(self.depths.setdefault(key, [[], []]), num_draft, num_accepted, METHOD_DECAY)
         self._rated.clear()
         seen = self.traffic.setdefault(key, [0.0, 0.0])
         seen[0] = seen[0] * METHOD_DECAY + num_accepted
@@ -177,6 +180,16 @@ class AcceptanceHistory:
         acc, att = self.traffic.get((method, band), (0.0, 0.0))
         ratio = (acc + RATIO_WEIGHT) / (att * p * raw + RATIO_WEIGHT)
         return min(max(p * level * ratio, 0.01), 0.999)
+
+    def depth_alphas(self, method: str, band: str, depth: int) -> list[float]:
+        """`method`'s acceptance at depths 1..depth given the earlier ones were accepted, as the server has
+        verified it (context lookups only: observe(watch=False)), each shrunk by PRIOR_WEIGHT positions
+        towards the method's acceptance over all depths (alpha(method, 0, 0)), which is all a depth the
+        server has not reached yet gets."""
+        prior = self.alpha(method, 0, 0, band)
+        reached, accepted = self.depths.get((method, band), ((), ()))
+        return [(accepted[d] + PRIOR_WEIGHT * prior) / (reached[d] + PRIOR_WEIGHT) if d < len(reached) else prior
+                for d in range(depth)]
 
     def attempted(self, method: str, band: str = "greedy") -> float:
         """The (decayed) positions of evidence behind `method`'s history in `band`."""

@@ -75,7 +75,8 @@ class MethodChoice:
 
         lengths: method -> how many drafts it would verify (a context lookup knows, and has already
         drafted: 0 when nothing matches; a model drafter could draft up to k). Method m verifying L drafts
-        with acceptance a_m yields 1 + a_m + ... + a_m ** L tokens for a step of t0 + t1 (1 + L) + d_m L
+        with acceptance a_m yields 1 + a_m + ... + a_m ** L tokens (a scored lookup: 1 + its chances of
+        surviving to each depth, request_survival) for a step of t0 + t1 (1 + L) + d_m L
         seconds (d_m = 0 for a lookup, whose drafts are already paid for); each method is rated at its
         best L <= its length, the depth the trim would keep, not at its longest. Plain decoding yields 1
         token for t0 + t1. In a batch (choose_methods) t0 is the request's share of the step (`base`) and
@@ -114,10 +115,10 @@ class MethodChoice:
             share = max(share, 1)
             if (rid, method) not in memo:
                 memo[(rid, method)] = self._estimates(request, method, n, band, behind)
-            alpha, catch_up = memo[(rid, method)]
+            survive, catch_up = memo[(rid, method)]
             switch = leave if catch_up is None else catch_up
             fixed, per_depth = self.draft_cost(method)
-            rate = self._best_rate(alpha, n, t0, t1, per_depth / share,
+            rate = self._best_rate(survive, n, t0, t1, per_depth / share,
                                    (fixed + self.follow_up_s.get(method, 0.0)) / share + switch)
             if rate > best_rate:
                 best, best_rate = method, rate
@@ -129,18 +130,19 @@ class MethodChoice:
         return probe if best == "none" and self.probing(request) else best
 
     def _estimates(self, request, method: str, n: int, band: str,
-                   behind: Callable[[object, str], int] | None) -> tuple[float, float | None]:
-        """(acceptance estimate, catch-up per step or None) of `method` for the request: what choose_method
-        reads on every pass of a step whatever the pricing. Only model drafters (a per-depth cost) catch up;
-        a lookup reads the context as it is (None)."""
-        alpha = self.request_alpha(request, method, explore=True)
+                   behind: Callable[[object, str], int] | None) -> tuple[list[float], float | None]:
+        """(survival to depths 1..n: request_survival, catch-up per step or None) of `method` for the
+        request: what choose_method reads on every pass of a step whatever the pricing. Only model drafters
+        (a per-depth cost) catch up; a lookup reads the context as it is (None)."""
+        survive = self.request_survival(request, method, n, explore=True)
         if behind is None or method not in self.draft_step_s:
-            return alpha, None
+            return survive, None
         rows = behind(request, method)
         if not rows:
-            return alpha, 0.0
-        return alpha, self.catch_up_s(method, rows, steps_left(request, alpha, n, self.run_steps(method, band,
-                                                                                                   request.request_id)))
+            return survive, 0.0
+        alpha = survive[0] if survive else 0.0          # a model drafter's survival is alpha ** d
+        return survive, self.catch_up_s(method, rows, steps_left(request, alpha, n, self.run_steps(
+            method, band, request.request_id)))
 
     def leave_s(self, request, drafter: str | None, behind: Callable[[object, str], int] | None) -> float:
         """What a step without the request's own model drafter costs it later. A drafter in step with the
@@ -201,13 +203,16 @@ class MethodChoice:
         return min(candidates, key=seen)
 
     @staticmethod
-    def _best_rate(a: float, n: int, t0: float, t1: float, d: float, follow_up: float = 0.0) -> float:
-        """max over L in 1..n of (1 + a + ... + a ** L) / (t0 + t1 (1 + L) + d L + follow_up). Concave tokens
-        over a cost that grows linearly: the ratio rises to its peak and then falls, so the first fall ends
-        the search."""
+    def _best_rate(a: float | Sequence[float], n: int, t0: float, t1: float, d: float,
+                   follow_up: float = 0.0) -> float:
+        """max over L in 1..n of (1 + s_1 + ... + s_L) / (t0 + t1 (1 + L) + d L + follow_up), s_j the chance
+        the draft survives to depth j: a's entries (request_survival), or a ** j for one acceptance a.
+        Concave tokens (s_j never grows) over a cost that grows linearly: the ratio rises to its peak and
+        then falls, so the first fall ends the search."""
+        survive = None if isinstance(a, (int, float)) else a
         tokens, term, best = 1.0, 1.0, 0.0
         for depth in range(1, n + 1):
-            term *= a
+            term = term * a if survive is None else survive[depth - 1]
             tokens += term
             rate = tokens / (t0 + t1 * (1 + depth) + d * depth + follow_up)
             if rate <= best:
