@@ -109,6 +109,9 @@ class AutoSpeculator(Speculator):
         self._offered: dict[str, list[tuple[int, str, list[int]]]] = {}
         # request id -> the lookups whose draft offered at its latest offering step it went on to emit whole
         self._whole: dict[str, tuple[str, ...]] = {}
+        # told of each offer scored: (request, lookup, draft length, accepted); the engine's acceptance
+        # history per depth (AcceptanceHistory.observe_offer)
+        self.on_scored: Callable[[SpecRequest, str, int, int], None] | None = None
         self._refresh()
 
     def _refresh(self) -> None:
@@ -223,6 +226,8 @@ class AutoSpeculator(Speculator):
             row[0] += accepted
             row[1] += attempted_positions(len(draft), accepted)
             count_depths(request.spec_stats.lookup_depths.setdefault(method, [[], []]), len(draft), accepted)
+            if self.on_scored is not None:
+                self.on_scored(request, method, len(draft), accepted)
             if accepted == len(draft) and pos == latest:
                 whole.append(method)
         self._offered[request.request_id] = keep

@@ -194,8 +194,8 @@ def test_the_best_depth_search_stops_at_the_first_fall_and_finds_the_same_best_a
 
 
 def test_a_lookup_is_priced_by_its_acceptance_at_each_depth():
-    """A lookup's draft is copied text: wrong from its first token, or right for many. Here the server
-    verified n-gram drafts of 8 that were either rejected at once or accepted whole, and an `auto` request's
+    """A lookup's draft is copied text: wrong from its first token, or right for many. Here the server's
+    n-gram drafts of 8 were either rejected at once or accepted whole, and an `auto` request's
     first three n-gram offers missed. Per depth, its next 8-token draft has a fair chance at depth 1 and
     then little chance of a miss: it beats a head (alpha 0.75, 2 ms a depth) and is verified whole. Priced at
     one acceptance per position from the same counts (0.5), the head would win and the trim would cut it."""
@@ -203,6 +203,7 @@ def test_a_lookup_is_priced_by_its_acceptance_at_each_depth():
     p.observe_propose("eagle3", 0.002, 1)
     for i in range(20):
         p.observe_acceptance("ngram", 8, 8 * (i % 2))
+        p.history.observe_offer("ngram", 8, 8 * (i % 2))
     real = p.request_alpha
     p.request_alpha = lambda request, method, explore=False: 0.75 if method == "eagle3" else real(request, method)
     r = seq("r", 8, method="auto").request

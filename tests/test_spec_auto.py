@@ -117,6 +117,13 @@ def test_greedy_equals_plain_alone_and_mixed_and_books_steps_per_method(dirs):
         assert sum(r[2] for r in stats.by_method.values()) == stats.num_accepted_tokens
         info = SpeculationInfo.from_stats([stats], SpecParams("auto", 4))
         assert {m: u.num_steps for m, u in info.by_method.items()} == {m: r[0] for m, r in stats.by_method.items()}
+    # every lookup offer auto scored reached the server's per-depth history (what prices a request's depths)
+    scored = [o.spec_stats.lookup_depths for o in (alone, *mixed) if o.spec_stats.method == "auto"]
+    depths = engine.engine.spec.learner.history.depths
+    assert scored and {(m, "greedy") for d in scored for m in d} == set(depths)
+    for method in {m for d in scored for m in d}:           # depth 1's offers, decayed a little on the server
+        first = sum(d[method][0][0] for d in scored if method in d)
+        assert first > 0 and depths[(method, "greedy")][0][0] == pytest.approx(first, rel=0.5)
     assert_no_leaks(engine)
 
 

@@ -65,7 +65,8 @@ class AcceptanceHistory:
         self.probed: dict[tuple[str, str], float] = {}           # (method, band) -> probe acceptance
         self.traffic: dict[tuple[str, str], list[float]] = {}    # slow's counts since the probe
         self._rated: dict[tuple[str, str], float | None] = {}   # rating()'s answers until the next count
-        self.depths: dict[tuple[str, str], list[list[float]]] = {}   # slow's counts per depth (count_depths)
+        # (lookup, band) -> [reached, accepted] per depth of the drafts `auto` offered (observe_offer)
+        self.depths: dict[tuple[str, str], list[list[float]]] = {}
 
     def observe(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy",
                 watch: bool = True) -> None:
@@ -81,8 +82,6 @@ class AcceptanceHistory:
         baseline = acc[0] / acc[1] if acc[1] >= COLLAPSE_MIN_ATTEMPTED else None   # before this step
         acc[0] = acc[0] * METHOD_DECAY + num_accepted
         acc[1] = acc[1] * METHOD_DECAY + attempted
-        if not watch:                       # a context lookup: per depth too (depth_alphas)
-            count_depths(self.depths.setdefault(key, [[], []]), num_draft, num_accepted, METHOD_DECAY)
         self._rated.clear()
         seen = self.traffic.setdefault(key, [0.0, 0.0])
         seen[0] = seen[0] * METHOD_DECAY + num_accepted
@@ -181,11 +180,19 @@ class AcceptanceHistory:
         ratio = (acc + RATIO_WEIGHT) / (att * p * raw + RATIO_WEIGHT)
         return min(max(p * level * ratio, 0.01), 0.999)
 
+    def observe_offer(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy") -> None:
+        """A context lookup's draft that `auto` offered, chosen or not, scored against the tokens the request
+        went on to emit (AutoSpeculator.score_offers): counted per depth, decayed by METHOD_DECAY. The
+        offers, not the verified drafts: a lookup is verified only where it was chosen, and trimmed there,
+        so its deep depths are seldom verified (on prose at T = 0, 8 `auto` requests: n-gram verified at
+        depth 4 7 times, offered there 24 times; each depth's acceptance about the same in both)."""
+        if num_draft > 0:
+            count_depths(self.depths.setdefault((method, band), [[], []]), num_draft, num_accepted, METHOD_DECAY)
+
     def depth_alphas(self, method: str, band: str, depth: int) -> list[float]:
-        """`method`'s acceptance at depths 1..depth given the earlier ones were accepted, as the server has
-        verified it (context lookups only: observe(watch=False)), each shrunk by PRIOR_WEIGHT positions
-        towards the method's acceptance over all depths (alpha(method, 0, 0)), which is all a depth the
-        server has not reached yet gets."""
+        """`method`'s acceptance at depths 1..depth given the earlier ones were accepted, over the drafts
+        `auto` offered (observe_offer), each shrunk by PRIOR_WEIGHT positions towards the method's
+        acceptance over all depths (alpha(method, 0, 0)), which is all a depth not reached yet gets."""
         prior = self.alpha(method, 0, 0, band)
         reached, accepted = self.depths.get((method, band), ((), ()))
         return [(accepted[d] + PRIOR_WEIGHT * prior) / (reached[d] + PRIOR_WEIGHT) if d < len(reached) else prior

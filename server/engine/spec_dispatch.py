@@ -168,6 +168,7 @@ class SpecDispatcher:
             return methods
         live = [i for i in auto if seqs[i].num_draft_slots > 0]
         learner, auto_spec = self.learner, self.speculators["auto"]
+        auto_spec.on_scored = self._offer_scored
         choices = auto_spec.choose([seqs[i].request for i in live], [seqs[i].num_draft_slots for i in live],
                                    partial(learner.choose_methods, num_seqs=len(seqs), behind=self._behind),
                                    partial(learner.resting, num_seqs=len(seqs),
@@ -183,6 +184,9 @@ class SpecDispatcher:
                 seqs[i].num_draft_slots = 0
             self._chosen[seqs[i].request.request_id] = methods[i]
         return methods
+
+    def _offer_scored(self, request, method: str, num_draft: int, num_accepted: int) -> None:
+        self.learner.history.observe_offer(method, num_draft, num_accepted, band_of(request))
 
     def _calibrate_trees(self) -> None:
         """Hand each method its greedy acceptance per position, once the server has seen enough of it: a
