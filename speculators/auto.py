@@ -42,7 +42,6 @@ from specserve.speculators.base import (
     SpecRequest,
     Speculator,
     VerifiedStep,
-    attempted_positions,
     count_depths,
 )
 
@@ -200,18 +199,19 @@ class AutoSpeculator(Speculator):
 
     def score_offers(self, request: SpecRequest) -> None:
         """Score the lookup drafts offered to `request` at earlier steps, chosen or not, against the tokens it
-        emitted since, once each outcome is known (a mismatch, or the whole draft matched): accepted and
-        attempted positions per lookup in `spec_stats.lookup_scores` (and per depth in `lookup_depths`), as
-        verification would have counted them (a deterministic draft token is accepted exactly when it is the
-        token the target emits, greedy or sampled). Counted from the drafts verified only, a lookup was
-        measured on the steps the other one had no draft, the hard ones: on prose at T = 0, n-gram, taken
-        at 4 such steps, accepted 0 of its 19 drafts and was not chosen again in that request, where alone
-        it ran 2.9x plain decoding against suffix's 2.6x. Reads only tokens already emitted: the choice stays exact."""
+        emitted since, once each outcome is known (a mismatch, or the whole draft matched): attempted and
+        accepted positions per lookup and depth in `spec_stats.lookup_depths` (over all depths:
+        `lookup_scores`), as verification would have counted them (a deterministic draft token is accepted
+        exactly when it is the token the target emits, greedy or sampled). Counted from the drafts verified
+        only, a lookup was measured on the steps the other one had no draft, the hard ones: on prose at
+        T = 0, n-gram, taken at 4 such steps, accepted 0 of its 19 drafts and was not chosen again in that
+        request, where alone it ran 2.9x plain decoding against suffix's 2.6x. Reads only tokens already
+        emitted: the choice stays exact."""
         pending = self._offered.get(request.request_id)
         self._whole.pop(request.request_id, None)
         if not pending:
             return
-        end, scores, keep, whole = request.num_tokens, request.spec_stats.lookup_scores, [], []
+        end, depths, keep, whole = request.num_tokens, request.spec_stats.lookup_depths, [], []
         first, latest = min(pos for pos, _, _ in pending), max(pos for pos, _, _ in pending)
         emitted = request.token_slice(first, end)          # one slice for all of the request's offers
         for pos, method, draft in pending:
@@ -222,10 +222,7 @@ class AutoSpeculator(Speculator):
             if accepted == len(got) and accepted < len(draft):
                 keep.append((pos, method, draft))          # matched so far: the rest is still to come
                 continue
-            row = scores.setdefault(method, [0, 0])
-            row[0] += accepted
-            row[1] += attempted_positions(len(draft), accepted)
-            count_depths(request.spec_stats.lookup_depths.setdefault(method, [[], []]), len(draft), accepted)
+            count_depths(depths.setdefault(method, [[], []]), len(draft), accepted)
             if self.on_scored is not None:
                 self.on_scored(request, method, len(draft), accepted)
             if accepted == len(draft) and pos == latest:

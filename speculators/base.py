@@ -102,12 +102,16 @@ class SpecStats:
     # auto: method -> [steps chosen, draft tokens, accepted tokens, attempted positions]
     # ("none": the steps it chose plain decoding)
     by_method: dict[str, list[int]] = field(default_factory=dict)
-    # auto: lookup -> [accepted, attempted positions] of every draft it offered, chosen or not, scored against
-    # the tokens the request went on to emit (AutoSpeculator.score_offers); internal, not reported
-    lookup_scores: dict[str, list[int]] = field(default_factory=dict)
-    # auto: lookup -> [reached, accepted] per depth of the same drafts (count_depths; internal): a lookup draft
-    # that matched its first tokens is copying text, and is accepted further on more often than at its start
+    # auto: lookup -> [reached, accepted] per depth (count_depths) of every draft it offered, chosen or not,
+    # scored against the tokens the request went on to emit (AutoSpeculator.score_offers); internal, not
+    # reported. A lookup draft that matched its first tokens is copying text, and is accepted further on
+    # more often than at its start
     lookup_depths: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    @property
+    def lookup_scores(self) -> dict[str, list[int]]:
+        """auto: lookup -> [accepted, attempted positions] over all depths of its scored offers."""
+        return {m: [sum(accepted), sum(reached)] for m, (reached, accepted) in self.lookup_depths.items()}
 
     def record_method(self, method: str, num_draft: int, num_accepted: int) -> None:
         row = self.by_method.setdefault(method, [0, 0, 0, 0])

@@ -207,8 +207,7 @@ def test_a_lookup_is_priced_by_its_acceptance_at_each_depth():
     real = p.request_alpha
     p.request_alpha = lambda request, method, explore=False: 0.75 if method == "eagle3" else real(request, method)
     r = seq("r", 8, method="auto").request
-    r.spec_stats.lookup_scores["ngram"] = [0, 3]
-    r.spec_stats.lookup_depths["ngram"] = [[3], [0]]
+    r.spec_stats.lookup_depths["ngram"] = [[3], [0]]          # three offers, each missed at its first token
     survive = p.request_survival(r, "ngram", 8)
     assert survive[0] == pytest.approx(0.32, abs=0.02) and survive[7] > 0.75 * survive[0]
     alpha = p.request_alpha(r, "ngram")

@@ -67,6 +67,7 @@ class AcceptanceHistory:
         self._rated: dict[tuple[str, str], float | None] = {}   # rating()'s answers until the next count
         # (lookup, band) -> [reached, accepted] per depth of the drafts `auto` offered (observe_offer)
         self.depths: dict[tuple[str, str], list[list[float]]] = {}
+        self._depth_rated: dict[tuple[str, str, int], list[float]] = {}   # depth_alphas' until the next count
 
     def observe(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy",
                 watch: bool = True) -> None:
@@ -83,6 +84,7 @@ class AcceptanceHistory:
         acc[0] = acc[0] * METHOD_DECAY + num_accepted
         acc[1] = acc[1] * METHOD_DECAY + attempted
         self._rated.clear()
+        self._depth_rated.clear()
         seen = self.traffic.setdefault(key, [0.0, 0.0])
         seen[0] = seen[0] * METHOD_DECAY + num_accepted
         seen[1] = seen[1] * METHOD_DECAY + attempted
@@ -122,6 +124,7 @@ class AcceptanceHistory:
             scale = positions / acc[1]
             acc[0], acc[1] = acc[0] * scale, positions
         self.fast.pop((method, band), None)
+        self._depth_rated.clear()
 
     def set_probe(self, method: str, band: str, accepted: float, attempted: float) -> None:
         """(method, band)'s start-up probe counts; its traffic counts start from here. Kept shrunk towards
@@ -130,6 +133,7 @@ class AcceptanceHistory:
         self.probed[(method, band)] = (accepted + PRIOR_WEIGHT * PRIOR_ALPHA) / (attempted + PRIOR_WEIGHT)
         self.traffic.pop((method, band), None)
         self._rated.clear()
+        self._depth_rated.clear()
 
     def level(self, band: str) -> tuple[float, float]:
         """The band's traffic level: accepted positions of the probed drafters on traffic over what their
@@ -188,15 +192,21 @@ class AcceptanceHistory:
         depth 4 7 times, offered there 24 times; each depth's acceptance about the same in both)."""
         if num_draft > 0:
             count_depths(self.depths.setdefault((method, band), [[], []]), num_draft, num_accepted, METHOD_DECAY)
+            self._depth_rated.clear()
 
     def depth_alphas(self, method: str, band: str, depth: int) -> list[float]:
         """`method`'s acceptance at depths 1..depth given the earlier ones were accepted, over the drafts
         `auto` offered (observe_offer), each shrunk by PRIOR_WEIGHT positions towards the method's
-        acceptance over all depths (alpha(method, 0, 0)), which is all a depth not reached yet gets."""
-        prior = self.alpha(method, 0, 0, band)
-        reached, accepted = self.depths.get((method, band), ((), ()))
-        return [(accepted[d] + PRIOR_WEIGHT * prior) / (reached[d] + PRIOR_WEIGHT) if d < len(reached) else prior
-                for d in range(depth)]
+        acceptance over all depths (alpha(method, 0, 0)), which is all a depth not reached yet gets. Kept
+        until the next count (of an offer or a verification): `auto` and the trim read it for every request
+        of a step. Callers do not modify the list."""
+        key = (method, band, depth)
+        if key not in self._depth_rated:
+            prior = self.alpha(method, 0, 0, band)
+            reached, accepted = self.depths.get((method, band), ((), ()))
+            self._depth_rated[key] = [(accepted[d] + PRIOR_WEIGHT * prior) / (reached[d] + PRIOR_WEIGHT)
+                                      if d < len(reached) else prior for d in range(depth)]
+        return self._depth_rated[key]
 
     def attempted(self, method: str, band: str = "greedy") -> float:
         """The (decayed) positions of evidence behind `method`'s history in `band`."""
