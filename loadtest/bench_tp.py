@@ -95,7 +95,9 @@ def timed_generate(llm: LLM, prompts: list[str], new: int, threads: int) -> tupl
 
 def bench_model(label: str, model: str | None, args: argparse.Namespace, timer: CollectiveTimer) -> dict:
     threads = os.cpu_count() or 2
-    common = dict(model=model, dtype="float32", device="cpu", kv_cache_memory_gb=0.25, speculation_policy="fixed")
+    # plain decoding only: no start-up probe of the drafters (spec_probe.py), whose ratings only `auto` reads
+    common = dict(model=model, dtype="float32", device="cpu", kv_cache_memory_gb=0.25, speculation_policy="fixed",
+                  speculation_probe_tokens=0)
     one = LLM(num_threads=threads, **common)
     two = LLM(tensor_parallel_size=2, num_threads=max(1, threads // 2), **common)
     prompts = PROMPTS[:args.batch]

@@ -59,7 +59,7 @@ def embedded():
     from specserve.server.config import EngineConfig
     from specserve.server.engine.offline import OfflineEngine
     cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, kv_cache_memory_gb=0.05,
-                       speculation_policy="fixed")
+                       speculation_policy="fixed", speculation_probe_tokens=0)
     eng = OfflineEngine.from_config(cfg)
     tok = eng.engine.tokenizer
     return eng, [tok.encode(t) for t in ("The history of the city began", "def fibonacci(n):")]

@@ -23,7 +23,8 @@ NEW = 32
 
 @pytest.fixture(scope="module")
 def offline():
-    cfg = EngineConfig(dtype="float32", device="cpu", num_threads=1, kv_cache_memory_gb=0.05, seed=0)
+    cfg = EngineConfig(dtype="float32", device="cpu", num_threads=1, kv_cache_memory_gb=0.05, seed=0,
+                       speculation_probe_tokens=0)
     return OfflineEngine.from_config(cfg)
 
 
@@ -126,7 +127,7 @@ def test_bf16_family_every_method_keeps_greedy_text_in_one_batch(prompts):
     if pack_linears(Linear(64, 64).to(torch.bfloat16)) == 0:
         pytest.skip("this CPU's oneDNN has no packed bf16 kernel: bf16 rows may depend on the batch here")
     eng = OfflineEngine.from_config(EngineConfig(dtype="bfloat16", device="cpu", num_threads=1,
-                                                 kv_cache_memory_gb=0.05, seed=0))
+                                                 kv_cache_memory_gb=0.05, seed=0, speculation_probe_tokens=0))
     from specserve.server.models.attention import cpu_backend
     paged = cpu_backend() == "paged"                    # else the SDPA fallback attends over fp32 K/V
     assert eng.engine.runner.kv_caches[0][0].dtype == (torch.bfloat16 if paged else torch.float32)

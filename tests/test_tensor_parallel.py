@@ -61,7 +61,7 @@ def write_arch(out: Path, arch: str) -> Path:
 
 def make(model_dir, tp: int, **kw) -> OfflineEngine:
     cfg = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", num_threads=1, kv_cache_memory_gb=0.01,
-                       tensor_parallel_size=tp, speculation_policy="fixed", **kw)
+                       tensor_parallel_size=tp, speculation_policy="fixed", speculation_probe_tokens=0, **kw)
     return OfflineEngine.from_config(cfg)
 
 
