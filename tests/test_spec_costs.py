@@ -10,6 +10,7 @@ from specserve.sampling.params import SamplingParams
 from specserve.server.engine.request import Request
 from specserve.server.engine.scheduler import ScheduledSeq
 from specserve.server.engine.spec_policy import PROBE_EVERY, GoodputPolicy
+from specserve.server.engine.step_cost import StepCostModel
 from specserve.speculators.base import DraftProposal, SpecParams, Speculator
 
 
@@ -326,3 +327,33 @@ def test_a_proposes_fixed_part_is_priced_once_not_per_depth():
         p.observe_propose("eagle3", 0.001 + 0.0012 * depth, depth)
     e0, e1 = p.draft_cost("eagle3")
     assert e0 == pytest.approx(0.001, rel=0.02) and e1 == pytest.approx(0.0012, rel=0.02)
+
+
+def test_a_heads_propose_whose_first_draft_its_follow_up_computed_is_priced_at_each_depth():
+    """A head's first draft comes from its follow-up observe: its propose of depth D costs ~1.2 ms + 3 ms per
+    depth after the first. The line may fall below 0 at depth 0 (never at depth 1) and prices each depth
+    as run, fitted from depths as little spread as traffic's (1-3); held through 0 it read the mean per
+    depth, ~2.5 ms, dear at depths 1-2 and cheap beyond."""
+    p = GoodputPolicy()
+    for i in range(60):
+        depth = (1, 2, 2, 3)[i % 4]
+        p.observe_propose("eagle3", 0.0012 + 0.003 * (depth - 1), depth)
+    e0, e1 = p.draft_cost("eagle3")
+    assert e1 == pytest.approx(0.003, rel=0.02) and e0 == pytest.approx(-0.0018, rel=0.05)
+    for depth in (1, 2, 3, 4):
+        assert e0 + e1 * depth == pytest.approx(0.0012 + 0.003 * (depth - 1), rel=0.05)
+    for _ in range(60):                 # a slope steeper than the mean allows: through 0 at depth 1, not 0
+        p.observe_propose("mtp", 0.0, 1)
+        p.observe_propose("mtp", 0.008, 3)
+    e0, e1 = p.draft_cost("mtp")
+    assert e0 + e1 >= 0.0 and e0 + 3 * e1 == pytest.approx(0.008, rel=0.05)
+
+
+def test_a_step_lines_floor_stays_at_no_tokens():
+    """The step-cost line itself keeps t0 >= 0 (floor_n = 0): a forward of 0 tokens costs no less than 0."""
+    m = StepCostModel()
+    for i in range(60):
+        n = 1 + i % 5
+        m.observe(n, 0.0012 + 0.003 * (n - 1))
+    t0, t1 = m.fit()
+    assert t0 == 0.0 and t1 * 3 == pytest.approx(sum(0.0012 + 0.003 * (n - 1) for n in range(1, 6)) / 5, rel=0.05)

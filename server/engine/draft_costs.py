@@ -1,7 +1,8 @@
 """What each speculation method's drafting costs, as the goodput policy learns it (GoodputPolicy's base).
 
     draft        e0 + e1 * D   a model drafter's propose of depth D (one forward per depth, plus a part that
-                               does not grow with it: gathering the requests' inputs, its own bookkeeping)
+                               does not grow with it: gathering the requests' inputs, its own bookkeeping;
+                               below 0 for a head, whose first draft its follow-up computed)
     follow-up    o_m           a head's observe of the rows its drafts were verified in, once per step
     catch-up     c0 + c1 * rows   a model drafter reading the rows it skipped for an `auto` request
     lookup       c_m           a context lookup (suffix, ngram) per request, whatever its length
@@ -16,6 +17,10 @@ from specserve.server.engine.step_cost import StepCostModel
 # A draft-cost sample counts for at most this multiple of the estimate (see observe_propose): a prompt
 # catch-up divided by the depth once priced the embedded draft model at 10.7 ms per depth, EAGLE-3 at 2.3.
 MAX_DRAFT_RISE = 2.0
+# Variance of the depths (depth^2) a drafter's cost line needs. A propose's time is its own forwards, steadier
+# than a step's, and traffic's depths vary little: EAGLE-3 on an agentic turn at T = 0.8 drafted depths 1-4
+# at a variance of ~0.35, under the step line's MIN_SPREAD, and was priced at its mean per depth.
+DRAFT_MIN_SPREAD = 0.25
 # A catch-up is paid once for the steps that follow it: once caught up, the drafter stays in step with the
 # request for as long as it keeps drafting, and a request that leaves it pays it again only if it ever
 # comes back, whichever method it takes meanwhile. So `auto` spreads it over the steps the request has left
@@ -49,16 +54,22 @@ class DraftCosts:
         is no draft step's price: each sample moves the estimate by at most MAX_DRAFT_RISE x."""
         if steps > 0:
             _cost_ema(self.draft_step_s, method, seconds / steps)
-            fit = self.draft_fit.setdefault(method, StepCostModel())
+            fit = self.draft_fit.setdefault(method, StepCostModel(floor_n=1, min_spread=DRAFT_MIN_SPREAD))
             line = fit.fit()
-            cap = MAX_DRAFT_RISE * (line[0] + line[1] * steps) if line is not None else seconds
+            cap = MAX_DRAFT_RISE * max(line[0] + line[1] * steps, line[1]) if line is not None else seconds
             fit.observe(steps, min(seconds, cap))
 
     def draft_cost(self, method: str) -> tuple[float, float]:
         """(e0, e1): a propose of depth D costs e0 + e1 * D. A propose has a part that does not grow with its
         depth (gathering the requests' inputs, the drafter's own bookkeeping): priced per depth alone, one
         EAGLE-3 depth read 2.0 ms where four cost 1.35 ms each, and deep drafts looked dearer than they are.
-        Until the depths seen spread enough to fit the line, (0, the EMA per depth)."""
+        e0 may be negative, the line only kept from falling below 0 at depth 1: a head's first draft comes
+        from its follow-up observe, so its propose of depth 1 only samples it, and each further depth is a
+        forward (EAGLE-3 on an agentic turn at T = 0.8: 1.2 ms at depth 1, 4.2 at 2, 7.2 at 3). Held
+        through 0, the line priced it at 2.5 ms a depth, depths 1 and 2 at 2.5 and 5.0 ms and each depth
+        beyond them below its 3 ms, and `auto` took the draft model (priced right, ~3.2 ms a depth) for
+        713 of 1154 steps there, at 0.91x EAGLE-3 alone. Until the depths seen spread enough to fit the
+        line, (0, the EMA per depth)."""
         model = self.draft_fit.get(method)
         line = model.fit() if model is not None else None
         return line if line is not None else (0.0, self.draft_step_s.get(method, 0.0))

@@ -210,7 +210,10 @@ class GoodputPolicy(MethodChoice, DraftCosts):
         0.62, 0.80, 0.85, 0.79, 1.00, 0.86: one acceptance per position (0.25-0.45 in a request's first
         steps) priced a step with its 8-token draft at ~1.4 tokens where those steps gave 2.5, and `auto`
         took a head instead (~19 ms against ~12 for the same tokens); an `auto` request that has no offers
-        scored yet is priced at the server's depths. Else alpha ** d (request_alpha)."""
+        scored yet is priced at the server's depths. Else alpha ** d (request_alpha): a model drafter's
+        acceptance per depth is near flat where it matters most, at T = 0.8 (EAGLE-3 at k = 8 untrimmed on
+        code, depths 1-5: 0.66, 0.65, 0.68, 0.66, 0.66; the draft model 0.55-0.68), and a per-depth count
+        of its drafts would see deep depths only where the trim let it draft deep, on the easier requests."""
         band = band_of(request)
         reached, accepted = request.spec_stats.lookup_depths.get(method) or ((), ())
         if not reached and not (request.spec_params.method == "auto" and (method, band) in self.history.depths):

@@ -36,8 +36,12 @@ class StepCostModel:
     fit() computes the line on its first read after a sample and keeps it until the next one: the goodput
     policy and `auto` read it for every request and candidate of every step."""
 
-    def __init__(self, decay: float = FIT_DECAY) -> None:
+    def __init__(self, decay: float = FIT_DECAY, floor_n: int = 0, min_spread: float = MIN_SPREAD) -> None:
+        """floor_n: the least N the line prices (0 for a forward; a draft's depth starts at 1): its t0 may fall
+        below 0 as long as the line is not negative there. min_spread: the variance of N the fit needs."""
         self.decay = decay
+        self.floor_n = floor_n
+        self.min_spread = min_spread
         self.w = self.sn = self.snn = self.st = self.snt = 0.0
         self.steps = 0
         self.prior = (0.0, 0.0, 0.0, 0.0, 0.0)   # (w, sn, snn, st, snt) of the calibration; never decays
@@ -85,14 +89,18 @@ class StepCostModel:
         # row where forwards of 1-9 rows measure ~0.2, so every lookup draft looked half its price.
         ss_p, sp_p = _centered(pw, psn, psnn, pst, psnt)
         ss_o, sp_o = _centered(self.w, self.sn, self.snn, self.st, self.snt)
-        if (ss_p + ss_o) / w < MIN_SPREAD:
+        if (ss_p + ss_o) / w < self.min_spread:
             return None
         t1 = max((sp_p + sp_o) / (ss_p + ss_o), 1e-7)
         if self.steps >= MIN_FIT_STEPS:          # the level of what was really seen
             mean_n, mean_t = self.sn / self.w, self.st / self.w
-        if t1 * mean_n > mean_t:        # a slope steeper than the mean allows: the line through 0 and the mean
-            t1 = mean_t / mean_n        # (a clamped t0 = 0 under the fitted slope priced every size above it:
-        t0 = max(mean_t - t1 * mean_n, 0.0)     # EAGLE-3's drafts read 1.32 ms a depth against a 0.93 ms mean)
+        # A slope steeper than the mean allows: the line through 0 at floor_n and the mean (a clamped t0 under
+        # the fitted slope priced every size above it: EAGLE-3's drafts read 1.32 ms a depth against a 0.93 ms
+        # mean).
+        span = mean_n - self.floor_n
+        if span > 0 and t1 * span > mean_t:
+            t1 = mean_t / span
+        t0 = max(mean_t - t1 * mean_n, -t1 * self.floor_n)
         if t1 < MIN_T1_RATIO * t0:          # a collapsed slope: keep the mean, tilt the line to the floor
             t1 = MIN_T1_RATIO * mean_t / (1.0 + MIN_T1_RATIO * mean_n)
             t0 = mean_t - t1 * mean_n
