@@ -201,7 +201,7 @@ class AutoSpeculator(Speculator):
         """Score the lookup drafts offered to `request` at earlier steps, chosen or not, against the tokens it
         emitted since, once each outcome is known (a mismatch, or the whole draft matched): attempted and
         accepted positions per lookup and depth in `spec_stats.lookup_depths` (over all depths:
-        `lookup_scores`), as verification would have counted them (a deterministic draft token is accepted
+        `lookup_score`), as verification would have counted them (a deterministic draft token is accepted
         exactly when it is the token the target emits, greedy or sampled). Counted from the drafts verified
         only, a lookup was measured on the steps the other one had no draft, the hard ones: on prose at
         T = 0, n-gram, taken at 4 such steps, accepted 0 of its 19 drafts and was not chosen again in that

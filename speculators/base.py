@@ -108,10 +108,16 @@ class SpecStats:
     # more often than at its start
     lookup_depths: dict[str, list[list[int]]] = field(default_factory=dict)
 
+    def lookup_score(self, method: str) -> list[int] | None:
+        """auto: [accepted, attempted positions] over all depths of `method`'s scored offers (None: no offer
+        scored); asked for each candidate of each step, so only the one method is summed."""
+        rows = self.lookup_depths.get(method)
+        return None if rows is None else [sum(rows[1]), sum(rows[0])]
+
     @property
     def lookup_scores(self) -> dict[str, list[int]]:
-        """auto: lookup -> [accepted, attempted positions] over all depths of its scored offers."""
-        return {m: [sum(accepted), sum(reached)] for m, (reached, accepted) in self.lookup_depths.items()}
+        """auto: lookup -> lookup_score for every lookup with a scored offer."""
+        return {m: self.lookup_score(m) for m in self.lookup_depths}
 
     def record_method(self, method: str, num_draft: int, num_accepted: int) -> None:
         row = self.by_method.setdefault(method, [0, 0, 0, 0])

@@ -186,7 +186,7 @@ class GoodputPolicy(MethodChoice, DraftCosts):
         stats, band = request.spec_stats, band_of(request)
         if request.spec_params.method == method:
             return self.alpha(method, stats.num_accepted_tokens, stats.num_attempted_positions, band)
-        scored = stats.lookup_scores.get(method)
+        scored = stats.lookup_score(method)
         if scored and scored[1]:        # a lookup: every draft it offered, chosen or not (AutoSpeculator)
             return self.alpha(method, scored[0], scored[1], band)
         row = stats.by_method.get(method)
