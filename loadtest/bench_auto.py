@@ -14,7 +14,9 @@ runs at most --concurrency requests at once (max_num_seqs) and is given --concur
 concurrency would take it; --concurrent-requests 16 is one batch of 16 drained to its last request
 (its tail runs a few requests a step, which a speculating arm reaches sooner and sits in longer).
 Last: suffix's propose cost with a 1M-token cross-request cache and its bytes per cached token.
-Greedy output is compared with plain in every pair (reported, not asserted).
+Greedy output is compared with plain in every pair (reported, not asserted). auto/best divides by the
+fastest fixed method of the run; held-out (--rounds >= 2) by the one fastest in the other rounds, round by
+round (held_out_ratio), which the luck of one arm's quick run does not pick.
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ def batch1(eng: LLM, warm: Warm, work: list[tuple[list[int], str | None]], specs
     secs, toks, acc, drafts, diff = ({n: 0.0 for n in names}, {n: 0 for n in names}, {n: 0 for n in names},
                                      {n: 0 for n in names}, {n: 0 for n in names})
     mix: dict[str, int] = {}                     # auto: steps per method it chose
+    per_round = [({n: 0.0 for n in names}, {n: 0 for n in names}) for _ in range(rounds)]   # (secs, tokens)
     for i, (prompt, scope) in enumerate(work * rounds):
         round_tag = f"{tag}-r{i // len(work)}"
         params = SamplingParams(temperature=temperature, max_tokens=new, ignore_eos=True,
@@ -81,8 +84,11 @@ def batch1(eng: LLM, warm: Warm, work: list[tuple[list[int], str | None]], specs
             spec = scoped(specs[name], warm.scope(scope, name, round_tag) if scope else f"{tag}-{name}-{i}")
             start = time.perf_counter()
             outs[name] = out = eng.generate([prompt], params, spec)[0]
-            secs[name] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            secs[name] += elapsed
             toks[name] += len(out.token_ids)
+            per_round[i // len(work)][0][name] += elapsed
+            per_round[i // len(work)][1][name] += len(out.token_ids)
             acc[name] += out.spec_stats.num_accepted_tokens
             drafts[name] += out.spec_stats.num_drafts
             if name == "auto":
@@ -95,7 +101,28 @@ def batch1(eng: LLM, warm: Warm, work: list[tuple[list[int], str | None]], specs
     res = {n: {"tok_s": toks[n] / secs[n], "speedup": base / (secs[n] / max(toks[n], 1)),
                "tau": 1 + acc[n] / drafts[n] if drafts[n] else 1.0, "greedy_diff": diff[n]} for n in names}
     res["auto"]["mix"] = mix
+    res["auto"]["held_out"] = held_out_ratio(per_round, [n for n in names if n not in ("none", "auto")])
     return res
+
+
+def held_out_ratio(per_round: list[tuple[dict[str, float], dict[str, int]]], fixed: list[str],
+                   arm: str = "auto") -> float | None:
+    """`arm`'s tokens/s over the best fixed method's, the best picked on the other rounds: each round is
+    compared with the method that was fastest in the rest, pooled over rounds. Picked and compared on the
+    same noisy seconds, the best of several near-equal methods is the one whose run happened to be quick,
+    and a ratio to it reads low by that luck. None with one round."""
+    if len(per_round) < 2:
+        return None
+    mine = [0.0, 0]
+    best = [0.0, 0]
+    for r, (secs, toks) in enumerate(per_round):
+        rest = [other for j, other in enumerate(per_round) if j != r]
+        pick = max(fixed, key=lambda n: sum(t[n] for _, t in rest) / max(sum(s[n] for s, _ in rest), 1e-9))
+        mine[0] += secs[arm]
+        mine[1] += toks[arm]
+        best[0] += secs[pick]
+        best[1] += toks[pick]
+    return (mine[1] / mine[0]) / (best[1] / best[0])
 
 
 def concurrent(eng: LLM, warm: Warm, work: list[tuple[list[int], str | None]], specs: dict[str, SpecParams],
@@ -178,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     specs = arms(args.k, [m for m in args.extra_methods.split(",") if m])
     print(f"{args.num_prompts} prompts x {args.new_tokens} tokens, k = {args.k}, loaded: {eng.methods}")
     header = " ".join(f"{n:>11}" for n in specs)
-    print(f"{'set':16} {'T':>4} {'none/s':>6} {header}   auto/best  (speedup vs none / tau)")
+    print(f"{'set':16} {'T':>4} {'none/s':>6} {header}   auto/best held-out  (speedup vs none / tau)")
     for temperature in [float(t) for t in args.temperatures.split(",") if t]:
         for name in [n for n in args.sets.split(",") if n]:
             res = batch1(eng, warm, sets[name], specs, temperature, args.new_tokens, f"{name}-{temperature}",
@@ -187,8 +214,10 @@ def main(argv: list[str] | None = None) -> None:
             cells = " ".join(f"{res[n]['speedup']:5.2f}x/{res[n]['tau']:4.2f}" for n in specs)
             diffs = {n: r["greedy_diff"] for n, r in res.items() if r["greedy_diff"]}
             rel = res["auto"]["speedup"] / res[best]["speedup"]
+            held = res["auto"]["held_out"]
             mix = " ".join(f"{m} {n}" for m, n in sorted(res["auto"]["mix"].items(), key=lambda x: -x[1]))
             print(f"{name:16} {temperature:4.1f} {res['none']['tok_s']:6.1f} {cells}   {rel:5.2f} "
+                  f"{'  -  ' if held is None else f'{held:5.2f}'} "
                   f"({best}){'  greedy differs: ' + str(diffs) if diffs else ''}  [auto's steps: {mix}]",
                   flush=True)
     for name in [n for n in args.concurrent_sets.split(",") if n]:

@@ -84,10 +84,26 @@ def test_probed_drafters_keep_their_probe_ranking_when_hard_text_lowers_the_one_
     explorer.spec_stats.by_method["eagle3"] = [5, 20, 10, 20]   # it drafts with one already: no exploring
     assert policy.choose_method(explorer, 4, lengths) == "eagle3"
 
-    for i in range(300):                                      # mtp on the same server: 0.2 to eagle3's 1/3
+    for i in range(1500):                         # both on the same server's text: mtp 0.2 to eagle3's 1/3
+        history.observe("eagle3", 4, i % 2, "sampled")
         history.observe("mtp", 4, 1 if i % 4 == 0 else 0, "sampled")
     gap = history.rating("mtp", "sampled") / history.rating("eagle3", "sampled")
     assert gap < 0.85 * 0.55 / 0.60
+
+
+def test_a_few_requests_text_does_not_reorder_the_probed_drafters():
+    """Each request's text moves what its drafter accepts more than the drafters differ (EAGLE-3 at T = 0.8
+    on an agentic turn: 0.22 to 0.68 a position per request), so a drafter's traffic ratio needs several
+    requests' positions (RATIO_WEIGHT, over the longer RATIO_DECAY memory) before it reorders the probe's
+    ranking: eagle3 meeting one hard request of two, mtp two ordinary ones, leaves eagle3 first."""
+    history = acceptance.AcceptanceHistory()
+    history.set_probe("eagle3", "sampled", 240.4, 400.0)      # 0.60 and 0.55 once shrunk
+    history.set_probe("mtp", "sampled", 220.2, 400.0)
+    for eagle3_accepts in (0.2, 0.6):                          # per request: 50 verifications of each
+        for i in range(50):
+            history.observe("eagle3", 4, 1 if (i % 10) < 10 * eagle3_accepts else 0, "sampled")
+            history.observe("mtp", 4, 1 if (i % 10) < 6 else 0, "sampled")
+    assert history.rating("eagle3", "sampled") > history.rating("mtp", "sampled")
 
 
 def test_explorers_stop_trying_a_drafter_once_its_traffic_shows_it_cannot_rate_best():
@@ -98,14 +114,14 @@ def test_explorers_stop_trying_a_drafter_once_its_traffic_shows_it_cannot_rate_b
     history = acceptance.AcceptanceHistory()
     history.set_probe("eagle3", "sampled", 240.4, 400.0)      # 0.60 and 0.55 once shrunk
     history.set_probe("mtp", "sampled", 220.2, 400.0)
-    history.traffic[("eagle3", "sampled")] = [600.0, 1000.0]  # on traffic at its probe's level
+    history.long[("eagle3", "sampled")] = [600.0, 1000.0]     # on traffic at its probe's level
     policy = GoodputPolicy()
     policy.history = history
     lengths = {"eagle3": 4, "mtp": 4}
     explorer = SimpleNamespace(request_id=_explorer_id(True), spec_params=SpecParams("auto", 4),
                                spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.8))
     assert policy.explorer(explorer, lengths) == "mtp"       # no traffic: it could still rate best
-    history.traffic[("mtp", "sampled")] = [165.0, 300.0]      # 0.55 a position, as probed
+    history.long[("mtp", "sampled")] = [165.0, 300.0]         # 0.55 a position, as probed
     history._rated.clear()
     assert history.rating("mtp", "sampled") / history.rating("eagle3", "sampled") == \
         pytest.approx(0.55 / 0.60, rel=0.03)

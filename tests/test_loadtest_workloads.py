@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from loadtest.bench_auto import arms
+import pytest
+
+from loadtest.bench_auto import arms, held_out_ratio
 from loadtest.prompt_sets import WORKLOAD_USER, load_prompt_set, mixed, next_turn, repeated
 from loadtest.request_builder import build_request
 
@@ -41,3 +43,14 @@ def test_bench_auto_compares_extra_single_methods_at_k_before_auto():
     assert (specs["eagle3"].method, specs["eagle3"].num_speculative_tokens) == ("eagle3", 8)
     assert specs["hybrid k=4"].num_speculative_tokens == 4
     assert list(arms(8)) == ["none", "ngram", "hybrid k=4", "suffix", "auto"]
+
+
+def test_held_out_best_is_picked_on_the_other_rounds():
+    """bench_auto's held-out ratio compares each round with the fixed method fastest in the rest: a method
+    that was fast in one round only is not the best of that round's comparison."""
+    toks = {"a": 100, "b": 100, "auto": 100}
+    rounds = [({"a": 1.0, "b": 0.8, "auto": 1.0}, dict(toks)),     # b lucky here
+              ({"a": 1.0, "b": 1.2, "auto": 1.0}, dict(toks))]     # a best here and over both
+    # round 0 is compared with a (fastest in round 1), round 1 with b (fastest in round 0)
+    assert held_out_ratio(rounds, ["a", "b"]) == pytest.approx((200 / 2.0) / (200 / 2.2))
+    assert held_out_ratio(rounds[:1], ["a", "b"]) is None

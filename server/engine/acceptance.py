@@ -24,7 +24,14 @@ comparison, every drafter on the same texts. So a probed drafter m in a band is 
     r_m   m's own traffic over what p_m * L predicts for it, shrunk towards 1 by RATIO_WEIGHT positions:
           a drafter that does worse than its probe says, relative to the others, on the server's text
 A drafter with much traffic is rated at its own traffic acceptance; one with none at its probe scaled by
-the level.
+the level. The level follows the text as it changes (METHOD_DECAY); r_m is a property of the drafter and
+the server's kind of text, and each request's text moves it as much as the drafters differ (EAGLE-3 at
+T = 0.8 on agentic turns accepted 0.22 to 0.68 a position per request), so it is counted over a longer
+memory (RATIO_DECAY, ~1000 verifications) and needs several requests' positions (RATIO_WEIGHT, ~4 requests
+at batch 1) to move far. With 40 positions over the short memory, the draft model's repeated-code requests
+at T = 0.8 raised its rating level with EAGLE-3's, one hard agentic request lowered EAGLE-3's below MTP's,
+and the band's next agentic requests took MTP, EAGLE-1 and the draft model (in a paired run, `auto` 0.92x
+EAGLE-3 alone on those requests, none of them drafting with EAGLE-3; 0.95x with these weights).
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ log = logging.getLogger(__name__)
 PRIOR_ALPHA = 0.5         # acceptance assumed for a method never seen
 PRIOR_WEIGHT = 4.0        # attempted positions the prior counts for in a request's estimate
 METHOD_DECAY = 0.995      # per observed step, for the per-method acceptance history
+RATIO_DECAY = 0.999       # the same, for the counts a probed drafter's traffic ratio is measured over (rating)
 FAST_DECAY = 0.97
 COLLAPSE_RATIO = 0.3
 COLLAPSE_MIN_BASELINE = 0.2
@@ -46,7 +54,7 @@ COLLAPSE_MIN_ATTEMPTED = 20.0
 COLLAPSE_WINDOW_S = 60.0
 BANDS = ("greedy", "sampled")
 LEVEL_WEIGHT = 8.0        # expected accepted positions the traffic level (1: as probed) counts for
-RATIO_WEIGHT = 40.0       # the same, for a drafter's own ratio to the level (1: as probed)
+RATIO_WEIGHT = 200.0      # the same, for a drafter's own ratio to the level (1: as probed): see _rating()
 
 
 def band_of(request) -> str:
@@ -64,6 +72,7 @@ class AcceptanceHistory:
         self.collapses: dict[str, int] = {}                       # method -> reports not yet drained
         self.probed: dict[tuple[str, str], float] = {}           # (method, band) -> probe acceptance
         self.traffic: dict[tuple[str, str], list[float]] = {}    # slow's counts since the probe
+        self.long: dict[tuple[str, str], list[float]] = {}       # the same, RATIO_DECAY (a drafter's ratio)
         self._rated: dict[tuple[str, str], float | None] = {}   # rating()'s answers until the next count
         # (lookup, band) -> [reached, accepted] per depth of the drafts `auto` offered (observe_offer)
         self.depths: dict[tuple[str, str], list[list[float]]] = {}
@@ -88,6 +97,9 @@ class AcceptanceHistory:
         seen = self.traffic.setdefault(key, [0.0, 0.0])
         seen[0] = seen[0] * METHOD_DECAY + num_accepted
         seen[1] = seen[1] * METHOD_DECAY + attempted
+        long = self.long.setdefault(key, [0.0, 0.0])
+        long[0] = long[0] * RATIO_DECAY + num_accepted
+        long[1] = long[1] * RATIO_DECAY + attempted
         fast = self.fast.setdefault(key, [0.0, 0.0])
         fast[0] = fast[0] * FAST_DECAY + num_accepted
         fast[1] = fast[1] * FAST_DECAY + attempted
@@ -132,17 +144,20 @@ class AcceptanceHistory:
         not 0, so that what an explorer accepts with it can still raise it."""
         self.probed[(method, band)] = (accepted + PRIOR_WEIGHT * PRIOR_ALPHA) / (attempted + PRIOR_WEIGHT)
         self.traffic.pop((method, band), None)
+        self.long.pop((method, band), None)
         self._rated.clear()
         self._depth_rated.clear()
 
-    def level(self, band: str) -> tuple[float, float]:
+    def level(self, band: str, counts: dict[tuple[str, str], list[float]] | None = None) -> tuple[float, float]:
         """The band's traffic level: accepted positions of the probed drafters on traffic over what their
         probe values predict for the positions they attempted -> (that ratio shrunk towards 1 by
-        LEVEL_WEIGHT, the ratio itself; 1 with no traffic yet)."""
+        LEVEL_WEIGHT, the ratio itself; 1 with no traffic yet). counts: which traffic counts (default the
+        recent ones, `traffic`; the ratios' longer ones, `long`)."""
+        counts = self.traffic if counts is None else counts
         accepted = expected = 0.0
         for (m, b), p in self.probed.items():
-            if b == band and (m, b) in self.traffic:
-                acc, att = self.traffic[(m, b)]
+            if b == band and (m, b) in counts:
+                acc, att = counts[(m, b)]
                 accepted += acc
                 expected += att * p
         raw = accepted / expected if expected > 0 else 1.0
@@ -179,8 +194,9 @@ class AcceptanceHistory:
         p = self.probed.get((method, band))
         if p is None:
             return None
-        level, raw = self.level(band)
-        acc, att = self.traffic.get((method, band), (0.0, 0.0))
+        level = self.level(band)[0]
+        raw = self.level(band, self.long)[1]
+        acc, att = self.long.get((method, band), (0.0, 0.0))
         ratio = (acc + RATIO_WEIGHT) / (att * p * raw + RATIO_WEIGHT)
         return min(max(p * level * ratio, 0.01), 0.999)
 

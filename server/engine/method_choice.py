@@ -16,13 +16,16 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from specserve.server.engine.acceptance import RATIO_WEIGHT, band_of
+from specserve.server.engine.acceptance import band_of
 from specserve.server.engine.draft_costs import steps_left
 from specserve.server.engine.step_cost import NOMINAL_COST
 from specserve.speculators.auto import LOOKUPS
 
 EXPLORE_EVERY = 16        # `auto`: one request in this many takes the probed drafter with the least traffic
 EXPLORE_Z_RATIO = 1.0     # of those whose rating + this many standard errors of it reaches the best
+# positions an explored drafter's probe counts for in that standard error: with no traffic a drafter within
+# ~13 % of the best is tried (the probe's texts are not the server's), after ~300 positions one within ~5 %
+EXPLORE_PRIOR = 40.0
 MAX_PASSES = 4            # `auto`: pricing passes over a step's requests (choose_methods)
 # A request that drafted nothing for PROBE_EVERY - 1 steps probes a model drafter only if the drafter's forward
 # for it alone costs at most this x the request's share of a step (so at most 1 / PROBE_EVERY more): in a full
@@ -192,10 +195,10 @@ class MethodChoice:
         best = max(rated.values(), default=0.0)
 
         def seen(m: str) -> float:
-            return self.history.traffic.get((m, band), (0.0, 0.0))[1]
+            return self.history.long.get((m, band), (0.0, 0.0))[1]
 
         def could_lead(m: str, r: float) -> bool:
-            spread = ((1.0 - r) / (r * (seen(m) + RATIO_WEIGHT))) ** 0.5     # relative, of its traffic ratio
+            spread = ((1.0 - r) / (r * (seen(m) + EXPLORE_PRIOR))) ** 0.5     # relative, of its traffic ratio
             return r >= best or r * (1.0 + EXPLORE_Z_RATIO * spread) >= best
         candidates = [m for m, r in rated.items() if could_lead(m, r)]
         if len(candidates) < 2:
