@@ -148,20 +148,21 @@ class AcceptanceHistory:
         self._rated.clear()
         self._depth_rated.clear()
 
-    def level(self, band: str, counts: dict[tuple[str, str], list[float]] | None = None) -> tuple[float, float]:
-        """The band's traffic level: accepted positions of the probed drafters on traffic over what their
-        probe values predict for the positions they attempted -> (that ratio shrunk towards 1 by
-        LEVEL_WEIGHT, the ratio itself; 1 with no traffic yet). counts: which traffic counts (default the
-        recent ones, `traffic`; the ratios' longer ones, `long`)."""
-        counts = self.traffic if counts is None else counts
+    def level(self, band: str) -> float:
+        """The band's traffic level: accepted positions of the probed drafters on recent traffic over what
+        their probe values predict for the positions they attempted, shrunk towards 1 by LEVEL_WEIGHT (1 with
+        no traffic yet)."""
+        return _shrunk_level(*self._predicted(band, self.traffic))
+
+    def _predicted(self, band: str, counts: dict[tuple[str, str], list[float]]) -> tuple[float, float]:
+        """(accepted, probe-predicted) positions of the band's probed drafters in `counts` (traffic or long)."""
         accepted = expected = 0.0
         for (m, b), p in self.probed.items():
             if b == band and (m, b) in counts:
                 acc, att = counts[(m, b)]
                 accepted += acc
                 expected += att * p
-        raw = accepted / expected if expected > 0 else 1.0
-        return _shrunk_level(accepted, expected), raw
+        return accepted, expected
 
     def request_level(self, by_method: dict[str, list], band: str) -> float:
         """level() for one request (`by_method`: its SpecStats rows): what it accepted from the probed
@@ -194,11 +195,11 @@ class AcceptanceHistory:
         p = self.probed.get((method, band))
         if p is None:
             return None
-        level = self.level(band)[0]
-        raw = self.level(band, self.long)[1]
+        accepted, expected = self._predicted(band, self.long)
+        raw = accepted / expected if expected > 0 else 1.0          # the level the ratio is taken to, unshrunk
         acc, att = self.long.get((method, band), (0.0, 0.0))
         ratio = (acc + RATIO_WEIGHT) / (att * p * raw + RATIO_WEIGHT)
-        return min(max(p * level * ratio, 0.01), 0.999)
+        return min(max(p * self.level(band) * ratio, 0.01), 0.999)
 
     def observe_offer(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy") -> None:
         """A context lookup's draft that `auto` offered, chosen or not, scored against the tokens the request
