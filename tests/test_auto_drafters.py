@@ -21,7 +21,7 @@ def test_an_untried_drafter_is_explored_and_a_request_keeps_the_drafter_it_took(
     for _ in range(300):
         policy.observe_acceptance("eagle3", 4, 2, "sampled")      # 0.6 per position on the server
     policy.draft_step_s.update(eagle3=0.002, draft=0.002)
-    request = SimpleNamespace(request_id="r", spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
+    request = SimpleNamespace(num_tokens=100, request_id="r", spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
                               sampling_params=SamplingParams(temperature=0.8, max_tokens=64))
     assert policy.request_alpha(request, "draft") == pytest.approx(acceptance.PRIOR_ALPHA)
     assert policy.request_alpha(request, "draft", explore=True) > policy.request_alpha(request, "eagle3",
@@ -77,7 +77,7 @@ def test_probed_drafters_keep_their_probe_ranking_when_hard_text_lowers_the_one_
 
     def request(rid: str) -> SimpleNamespace:
         return SimpleNamespace(request_id=rid, spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
-                               sampling_params=SamplingParams(temperature=0.8, max_tokens=64))
+                               sampling_params=SamplingParams(temperature=0.8, max_tokens=64), num_tokens=100)
     assert policy.choose_method(request(_explorer_id(False)), 4, lengths) == "eagle3"
     assert policy.choose_method(request(_explorer_id(True)), 4, lengths) == "mtp"    # least traffic
     explorer = request(_explorer_id(True))
@@ -114,15 +114,15 @@ def test_explorers_stop_trying_a_drafter_once_its_traffic_shows_it_cannot_rate_b
     history = acceptance.AcceptanceHistory()
     history.set_probe("eagle3", "sampled", 240.4, 400.0)      # 0.60 and 0.55 once shrunk
     history.set_probe("mtp", "sampled", 220.2, 400.0)
-    history.long[("eagle3", "sampled")] = [600.0, 1000.0]     # on traffic at its probe's level
+    history.long[("eagle3", "sampled", 0)] = [600.0, 1000.0, 600.0]   # on traffic at its probe's level
     policy = GoodputPolicy()
     policy.history = history
     lengths = {"eagle3": 4, "mtp": 4}
-    explorer = SimpleNamespace(request_id=_explorer_id(True), spec_params=SpecParams("auto", 4),
+    explorer = SimpleNamespace(num_tokens=100, request_id=_explorer_id(True), spec_params=SpecParams("auto", 4),
                                spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.8))
     assert policy.explorer(explorer, lengths) == "mtp"       # no traffic: it could still rate best
-    history.long[("mtp", "sampled")] = [165.0, 300.0]         # 0.55 a position, as probed
-    history._rated.clear()
+    history.long[("mtp", "sampled", 0)] = [165.0, 300.0, 165.0]   # 0.55 a position, as probed
+    history._forget()
     assert history.rating("mtp", "sampled") / history.rating("eagle3", "sampled") == \
         pytest.approx(0.55 / 0.60, rel=0.03)
     assert policy.explorer(explorer, lengths) is None        # 300 positions: it cannot
@@ -143,14 +143,14 @@ def test_a_request_whose_text_suits_no_drafter_expects_the_others_no_better_than
     policy.cost.fit = lambda: (0.010, 0.0005)
     policy.draft_step_s.update(eagle3=0.001, mtp=0.001)
     lengths = {"eagle3": 4, "mtp": 4}
-    hard = SimpleNamespace(request_id=_explorer_id(False), spec_params=SpecParams("auto", 4),
+    hard = SimpleNamespace(num_tokens=100, request_id=_explorer_id(False), spec_params=SpecParams("auto", 4),
                            spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.8))
     hard.spec_stats.by_method["eagle3"] = [30, 80, 12, 60]    # 0.2 a position where 0.6 was expected
     level = policy.history.request_level(hard.spec_stats.by_method, "sampled")
     assert level == pytest.approx((12 + 8) / (60 * 0.6 + 8), rel=0.01)
     assert policy.request_alpha(hard, "mtp") == pytest.approx(0.55 * level, rel=0.01)
     assert policy.kept_drafter(hard, lengths) == "eagle3"      # mtp is no longer 2x what it accepts
-    easy = SimpleNamespace(request_id=_explorer_id(False), spec_params=SpecParams("auto", 4),
+    easy = SimpleNamespace(num_tokens=100, request_id=_explorer_id(False), spec_params=SpecParams("auto", 4),
                            spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.8))
     easy.spec_stats.by_method["eagle3"] = [30, 80, 54, 60]    # 0.9 a position
     assert policy.request_alpha(easy, "mtp") > 0.55

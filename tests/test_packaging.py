@@ -61,6 +61,7 @@ def test_the_installed_distribution_claims_specserve_only(tmp_path):
     assert sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info")
                   and p.name != "bin") == ["specserve"]
     assert (target / "specserve" / "speculators" / "registry.py").is_file()
+    assert (target / "specserve" / "server" / "engine" / "probe_long.txt").is_file()    # the probe's long text
 
 
 def test_no_file_imports_the_bare_folder_names():

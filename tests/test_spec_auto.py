@@ -177,7 +177,7 @@ def test_a_collapsing_drafter_is_reported_once_and_auto_stops_choosing_it(dirs, 
         learner = engine.engine.spec.learner
         assert learner.is_collapsed("turncoat")
         request = SimpleNamespace(request_id="q", spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
-                                  sampling_params=PLAIN)
+                                  sampling_params=PLAIN, num_tokens=100)
         assert learner.choose_method(request, 4, {"turncoat": 4}) == "none"
         assert learner.choose_method(request, 4, {"turncoat": 4, "ngram": 4}) == "ngram"
 
@@ -206,7 +206,7 @@ def test_collapse_signal_window_counter_and_recovery():
 
 def test_choice_follows_expected_tokens_per_second():
     policy = GoodputPolicy()
-    request = SimpleNamespace(request_id="r", spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
+    request = SimpleNamespace(num_tokens=100, request_id="r", spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
                               sampling_params=PLAIN)
     assert policy.choose_method(request, 4, {"ngram": 0}) == "none"          # nothing to draft
     for _ in range(50):

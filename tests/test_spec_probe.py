@@ -30,7 +30,7 @@ def test_the_probe_seeds_each_drafters_history_in_both_bands_and_leaves_nothing_
     for band in ("greedy", "sampled"):
         assert 0 < history.attempted("draft", band) <= PRIOR_POSITIONS
         assert ("draft", band) not in history.fast           # the collapse signal starts from real traffic
-        assert ("draft", band) not in history.traffic        # nor the traffic level (acceptance.rating)
+        assert not any(key[:2] == ("draft", band) for key in history.traffic)   # nor the traffic level
         assert history.rating("draft", band) == pytest.approx(history.probed[("draft", band)])
         assert 0 < history.probed[("draft", band)] < 1
         assert plain.engine.spec.learner.history.attempted("draft", band) == 0
@@ -73,3 +73,17 @@ def test_the_flag_sets_it_and_bad_values_are_refused():
         with pytest.raises(ValueError, match="speculation_probe_tokens"):
             EngineConfig(speculation_probe_tokens=bad).validate()
         assert main(["serve", "--speculation-probe-tokens", str(bad)]) == 2     # a start-up error
+
+
+def test_the_probe_rates_each_drafter_at_a_longer_context_where_the_window_holds_its_text(dirs):
+    probed = make_engine(dirs["target"], draft_model=str(dirs["draft"]), speculation_probe_tokens=16,
+                         kv_gb=0.02)
+    history = probed.engine.spec.learner.history
+    for band in ("greedy", "sampled"):
+        assert 0 < history.probed_context[("draft", band, 1)] < 1
+        assert history.rating("draft", band, 400) == pytest.approx(history.probed_context[("draft", band, 1)])
+        assert history.rating("draft", band, 100) == pytest.approx(history.probed[("draft", band)])
+    assert_no_leaks(probed)
+    short = make_engine(dirs["target"], draft_model=str(dirs["draft"]), max_model_len=256,
+                        speculation_probe_tokens=16)
+    assert not short.engine.spec.learner.history.probed_context       # its long text does not fit

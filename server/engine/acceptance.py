@@ -20,7 +20,8 @@ single method, by which drafter the band settled on). The start-up probe (spec_p
 comparison, every drafter on the same texts. So a probed drafter m in a band is rated p_m * L * r_m:
     p_m   its probe acceptance
     L     the band's traffic level, what all probed drafters accepted on traffic over what their probe
-          values predict for the positions they drafted (one hard request lowers every drafter alike)
+          values predict for the positions they drafted (one hard request lowers every drafter alike), at
+          the request's context bucket (below)
     r_m   m's own traffic over what p_m * L predicts for it, shrunk towards 1 by RATIO_WEIGHT positions:
           a drafter that does worse than its probe says, relative to the others, on the server's text
 A drafter with much traffic is rated at its own traffic acceptance; one with none at its probe scaled by
@@ -32,10 +33,20 @@ at batch 1) to move far. With 40 positions over the short memory, the draft mode
 at T = 0.8 raised its rating level with EAGLE-3's, one hard agentic request lowered EAGLE-3's below MTP's,
 and the band's next agentic requests took MTP, EAGLE-1 and the draft model (in a paired run, `auto` 0.92x
 EAGLE-3 alone on those requests, none of them drafting with EAGLE-3; 0.95x with these weights).
+
+Context length: a drafter trained on shorter sequences than the target serves falls apart on long requests
+while the heads, which read the target's own states, hold up. So p_m is the probe value at the request's
+context bucket (context_bucket: one per doubling from CONTEXT_BASE tokens; the probe measures one long text,
+set_probe_context), each traffic position is predicted at the probe value of the context it was drafted at
+(the third count of `traffic` and `long`, kept per bucket), and L is the level of the request's bucket: the
+server's long requests may be harder text than its short ones, and with the drafters chosen by context a
+single level would charge the long requests' text to the drafter that drafts them (in a paired run, the
+draft model then took 165 of the next code requests' steps at T = 0.8 where it had taken 44).
 """
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 
@@ -55,6 +66,15 @@ COLLAPSE_WINDOW_S = 60.0
 BANDS = ("greedy", "sampled")
 LEVEL_WEIGHT = 8.0        # expected accepted positions the traffic level (1: as probed) counts for
 RATIO_WEIGHT = 200.0      # the same, for a drafter's own ratio to the level (1: as probed): see _rating()
+CONTEXT_BASE = 256        # context buckets (context_bucket): [0, 256), [256, 512), [512, 1024), ... tokens
+CONTEXT_WEIGHT = 16.0     # positions the probe's shift of every drafter at a longer context counts for in a
+#                           drafter's probe value there (AcceptanceHistory.set_probe_context)
+
+
+def context_bucket(num_tokens: int) -> int:
+    """The context-length bucket of a request of `num_tokens` tokens: 0 below CONTEXT_BASE, then one per
+    doubling (1: 256-511 tokens, 2: 512-1023, ...)."""
+    return max(int(num_tokens) // CONTEXT_BASE, 0).bit_length()
 
 
 def band_of(request) -> str:
@@ -71,16 +91,23 @@ class AcceptanceHistory:
         self.collapsed_until: dict[tuple[str, str], float] = {}   # (method, band) -> end of its window
         self.collapses: dict[str, int] = {}                       # method -> reports not yet drained
         self.probed: dict[tuple[str, str], float] = {}           # (method, band) -> probe acceptance
-        self.traffic: dict[tuple[str, str], list[float]] = {}    # slow's counts since the probe
-        self.long: dict[tuple[str, str], list[float]] = {}       # the same, RATIO_DECAY (a drafter's ratio)
-        self._rated: dict[tuple[str, str], float | None] = {}   # rating()'s answers until the next count
+        # (method, band, context bucket >= 1) -> its probe acceptance at that context (set_probe_context)
+        self.probed_context: dict[tuple[str, str, int], float] = {}
+        # (method, band, context bucket) -> [accepted, attempted, probe-predicted] positions since the probe:
+        # slow's memory (traffic, the levels) and RATIO_DECAY's (long, a drafter's ratio)
+        self.traffic: dict[tuple[str, str, int], list[float]] = {}
+        self.long: dict[tuple[str, str, int], list[float]] = {}
+        self.contexts: dict[tuple[str, str, int], list[float]] = {}   # slow's counts per context bucket
+        self._rated: dict[tuple[str, str, int], float | None] = {}   # rating()'s answers until the next count
+        self._raw: dict[str, dict[int, float]] = {}      # band -> bucket -> long's unshrunk level (_raw_levels)
         # (lookup, band) -> [reached, accepted] per depth of the drafts `auto` offered (observe_offer)
         self.depths: dict[tuple[str, str], list[list[float]]] = {}
         self._depth_rated: dict[tuple[str, str, int], list[float]] = {}   # depth_alphas' until the next count
 
     def observe(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy",
-                watch: bool = True) -> None:
-        """watch: whether a fall of this method's acceptance is a collapse (not for context lookups, whose
+                watch: bool = True, context: int = 0) -> None:
+        """context: the request's length in tokens (its context bucket's probe value predicts the step).
+        watch: whether a fall of this method's acceptance is a collapse (not for context lookups, whose
         acceptance follows the text: a move from repeated to fresh prompts took n-gram from 0.57 to 0.17,
         was reported as a drafter that no longer matches the target, and kept `auto` off n-gram for a
         window)."""
@@ -92,14 +119,18 @@ class AcceptanceHistory:
         baseline = acc[0] / acc[1] if acc[1] >= COLLAPSE_MIN_ATTEMPTED else None   # before this step
         acc[0] = acc[0] * METHOD_DECAY + num_accepted
         acc[1] = acc[1] * METHOD_DECAY + attempted
-        self._rated.clear()
+        self._forget()
         self._depth_rated.clear()
-        seen = self.traffic.setdefault(key, [0.0, 0.0])
-        seen[0] = seen[0] * METHOD_DECAY + num_accepted
-        seen[1] = seen[1] * METHOD_DECAY + attempted
-        long = self.long.setdefault(key, [0.0, 0.0])
-        long[0] = long[0] * RATIO_DECAY + num_accepted
-        long[1] = long[1] * RATIO_DECAY + attempted
+        bucket = context_bucket(context)
+        by_context = self.contexts.setdefault((method, band, bucket), [0.0, 0.0])
+        by_context[0] = by_context[0] * METHOD_DECAY + num_accepted
+        by_context[1] = by_context[1] * METHOD_DECAY + attempted
+        predicted = attempted * (self.probe_at(method, band, bucket) or 0.0)
+        for counts, decay in ((self.traffic, METHOD_DECAY), (self.long, RATIO_DECAY)):
+            seen = counts.setdefault((method, band, bucket), [0.0, 0.0, 0.0])
+            seen[0] = seen[0] * decay + num_accepted
+            seen[1] = seen[1] * decay + attempted
+            seen[2] = seen[2] * decay + predicted
         fast = self.fast.setdefault(key, [0.0, 0.0])
         fast[0] = fast[0] * FAST_DECAY + num_accepted
         fast[1] = fast[1] * FAST_DECAY + attempted
@@ -143,28 +174,67 @@ class AcceptanceHistory:
         PRIOR_ALPHA by PRIOR_WEIGHT positions: a drafter that accepted nothing in the probe is rated low,
         not 0, so that what an explorer accepts with it can still raise it."""
         self.probed[(method, band)] = (accepted + PRIOR_WEIGHT * PRIOR_ALPHA) / (attempted + PRIOR_WEIGHT)
-        self.traffic.pop((method, band), None)
-        self.long.pop((method, band), None)
-        self._rated.clear()
+        for counts in (self.traffic, self.long):
+            for key in [key for key in counts if key[:2] == (method, band)]:
+                del counts[key]
+        self._forget()
         self._depth_rated.clear()
 
-    def level(self, band: str) -> float:
-        """The band's traffic level: accepted positions of the probed drafters on recent traffic over what
-        their probe values predict for the positions they attempted, shrunk towards 1 by LEVEL_WEIGHT (1 with
-        no traffic yet)."""
-        return _shrunk_level(*self._predicted(band, self.traffic))
+    def set_probe_context(self, band: str, bucket: int, counts: dict[str, tuple[float, float]]) -> None:
+        """The probe's (accepted, attempted) positions of each probed drafter at context bucket `bucket` (>= 1)
+        of `band`, all on one text. The text is harder or easier for every drafter alike (the shift: the
+        median of their ratios to their short-context probe values), and one drafter may fall apart there (a
+        draft model trained on shorter sequences than the target serves: the embedded one, trained on
+        256-token sequences, accepted 0.30-0.34 a position at T = 0.8 on 370-560-token agentic turns where
+        EAGLE-3 accepted 0.50-0.54, and 0.53-0.59 on turns under 256 tokens, EAGLE-3 0.57-0.64). Each
+        drafter's value there is its short-context value times the shift, lowered to its own acceptance
+        (shrunk by CONTEXT_WEIGHT positions towards that) where that is lower: one text's few dozen positions
+        may demote a drafter that falls apart, never reorder the rest (at 32 tokens it measured EAGLE-1 above
+        EAGLE-3, 0.61 against 0.63 where their short texts say 0.52 against 0.64)."""
+        probed = {m: (a, n) for m, (a, n) in counts.items() if n > 0 and (m, band) in self.probed}
+        if not probed:
+            return
+        shift = statistics.median((a + PRIOR_WEIGHT * PRIOR_ALPHA) / (n + PRIOR_WEIGHT) / self.probed[(m, band)]
+                                  for m, (a, n) in probed.items())       # each shrunk as set_probe does
+        for m, (a, n) in probed.items():
+            prior = self.probed[(m, band)] * shift
+            self.probed_context[(m, band, bucket)] = min((a + CONTEXT_WEIGHT * prior) / (n + CONTEXT_WEIGHT), prior)
+        self._forget()
 
-    def _predicted(self, band: str, counts: dict[tuple[str, str], list[float]]) -> tuple[float, float]:
-        """(accepted, probe-predicted) positions of the band's probed drafters in `counts` (traffic or long)."""
+    def probe_at(self, method: str, band: str, bucket: int) -> float | None:
+        """`method`'s probe value in `band` at context bucket `bucket`: the longest probed bucket up to it (a
+        context longer than the probe reached is rated as its longest), else the short-context probe."""
+        for b in range(bucket, 0, -1):
+            p = self.probed_context.get((method, band, b))
+            if p is not None:
+                return p
+        return self.probed.get((method, band))
+
+    def level(self, band: str, bucket: int = 0) -> float:
+        """The traffic level of the band's requests at context bucket `bucket`: accepted positions of the
+        probed drafters on recent traffic there over what their probe values predict for the positions they
+        attempted, shrunk towards 1 by LEVEL_WEIGHT (1 with no traffic there yet). Per bucket: the server's
+        long requests may be harder text than its short ones (agentic turns against completions), and
+        which drafter drafts them depends on the context, so one level would charge a long request's harder
+        text to the drafter that drafts long requests."""
+        return _shrunk_level(*self._predicted(band, self.traffic, bucket))
+
+    def _predicted(self, band: str, counts: dict[tuple[str, str, int], list[float]],
+                   bucket: int) -> tuple[float, float]:
+        """(accepted, probe-predicted) positions of the band's probed drafters at context bucket `bucket` in
+        `counts` (traffic or long)."""
         accepted = expected = 0.0
-        for (m, b), p in self.probed.items():
-            if b == band and (m, b) in counts:
-                acc, att = counts[(m, b)]
-                accepted += acc
-                expected += att * p
+        for (m, b, c), row in counts.items():
+            if b == band and c == bucket and (m, b) in self.probed:
+                accepted += row[0]
+                expected += row[2]
         return accepted, expected
 
-    def request_level(self, by_method: dict[str, list], band: str) -> float:
+    def traffic_positions(self, method: str, band: str) -> float:
+        """The positions `method` drafted in `band` since the probe, over the ratio's memory (all contexts)."""
+        return sum(row[1] for (m, b, _), row in self.long.items() if (m, b) == (method, band))
+
+    def request_level(self, by_method: dict[str, list], band: str, context: int = 0) -> float:
         """level() for one request (`by_method`: its SpecStats rows): what it accepted from the probed
         drafters it drafted with over what their ratings predict for those positions, shrunk towards 1 by
         LEVEL_WEIGHT. A probed drafter the request has not drafted with is expected at its rating times
@@ -173,33 +243,56 @@ class AcceptanceHistory:
         server ratings, switched to each in turn and accepted 25 of 88."""
         accepted = expected = 0.0
         for method, row in by_method.items():
-            rating = self.rating(method, band) if row[3] else None
+            rating = self.rating(method, band, context) if row[3] else None
             if rating is not None:
                 accepted += row[2]
                 expected += row[3] * rating
         return _shrunk_level(accepted, expected)
 
-    def rating(self, method: str, band: str) -> float | None:
-        """A probed drafter's acceptance per position in `band` (see the module's description); None for a
-        method the probe did not measure. Its ratio is taken to the level as measured, not as shrunk: with
+    def rating(self, method: str, band: str, context: int = 0) -> float | None:
+        """A probed drafter's acceptance per position in `band` at a context of `context` tokens (see the
+        module's description: p_m is its probe value at that context's bucket); None for a method the probe
+        did not measure. Its ratio is taken to the level as measured, not as shrunk: with
         one drafter drafting all of a band's traffic the ratio is exactly 1, and the drafters keep the
         probe's order (a shrunk level would lend every drafter without traffic a few per cent, as much as
         the probe's gap between EAGLE-3 and MTP). Kept until the next count: `auto` reads it for every
         request and candidate of a step."""
-        key = (method, band)
+        key = (method, band, context_bucket(context))
         if key not in self._rated:
-            self._rated[key] = self._rating(method, band)
+            self._rated[key] = self._rating(*key)
         return self._rated[key]
 
-    def _rating(self, method: str, band: str) -> float | None:
-        p = self.probed.get((method, band))
+    def _rating(self, method: str, band: str, bucket: int) -> float | None:
+        p = self.probe_at(method, band, bucket)
         if p is None:
             return None
-        accepted, expected = self._predicted(band, self.long)
-        raw = accepted / expected if expected > 0 else 1.0          # the level the ratio is taken to, unshrunk
-        acc, att = self.long.get((method, band), (0.0, 0.0))
-        ratio = (acc + RATIO_WEIGHT) / (att * p * raw + RATIO_WEIGHT)
-        return min(max(p * self.level(band) * ratio, 0.01), 0.999)
+        raw = self._raw_levels(band)
+        acc = predicted = 0.0
+        for (m, b, c), row in self.long.items():      # each bucket's positions at its level there, unshrunk
+            if (m, b) == (method, band):
+                acc += row[0]
+                predicted += row[2] * raw[c]
+        ratio = (acc + RATIO_WEIGHT) / (predicted + RATIO_WEIGHT)
+        return min(max(p * self.level(band, bucket) * ratio, 0.01), 0.999)
+
+    def _raw_levels(self, band: str) -> dict[int, float]:
+        """Per context bucket, the band's level over the ratio's memory, unshrunk (1 where nothing was
+        predicted): what a drafter's own ratio is taken to. Kept until the next count."""
+        if band not in self._raw:
+            sums: dict[int, list[float]] = {}
+            for (m, b, c), row in self.long.items():
+                if b == band:
+                    total = sums.setdefault(c, [0.0, 0.0])
+                    if (m, b) in self.probed:
+                        total[0] += row[0]
+                        total[1] += row[2]
+            self._raw[band] = {c: a / e if e > 0 else 1.0 for c, (a, e) in sums.items()}
+        return self._raw[band]
+
+    def _forget(self) -> None:
+        """Drop the ratings kept until the next count."""
+        self._rated.clear()
+        self._raw.clear()
 
     def observe_offer(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy") -> None:
         """A context lookup's draft that `auto` offered, chosen or not, scored against the tokens the request
@@ -233,13 +326,14 @@ class AcceptanceHistory:
         out, self.collapses = self.collapses, {}
         return out
 
-    def alpha(self, method: str, accepted: float, attempted: float, band: str = "greedy") -> float:
+    def alpha(self, method: str, accepted: float, attempted: float, band: str = "greedy",
+              context: int = 0) -> float:
         """A request's acceptance estimate: its own counts, shrunk towards its method's history in its band,
         which is itself shrunk towards PRIOR_ALPHA (for a probed drafter, its rating instead). Never 0 after
         a few rejections: a cut request brings no new evidence, so an estimate of 0 would cut its method for
         good (one rejected first draft once stopped ngram at batch 1 for every later step: 0.96x plain
         against 2.09x with k fixed)."""
-        prior = self.rating(method, band)
+        prior = self.rating(method, band, context)
         if prior is None:
             acc, att = self.slow.get((method, band), (0.0, 0.0))
             prior = (acc + PRIOR_WEIGHT * PRIOR_ALPHA) / (att + PRIOR_WEIGHT)

@@ -33,6 +33,7 @@ MAX_PASSES = 4            # `auto`: pricing passes over a step's requests (choos
 # catch-up, two requests a step probed, and 0.9 ms a step went on ~100 accepted tokens in 270 steps.
 PROBE_SHARE = 1.0
 ABANDON_RATIO = 0.5       # `auto`: a request leaves its drafter when it accepts less than this x another's
+KEEP_RATIO = 0.75         # or when the server rates it below this x another at the request's context now
 
 
 class MethodChoice:
@@ -163,16 +164,26 @@ class MethodChoice:
     def kept_drafter(self, request, lengths: dict[str, int]) -> str | None:
         """The request's own drafter (own_drafter), None (free choice) while it is collapsed or while the
         request accepts from it less than ABANDON_RATIO x what another candidate drafter is expected to
-        accept (a drafter that does not suit this request's text). A request that has not drafted with a
-        model drafter yet and is an explorer gets the one explorer() names."""
+        accept (a drafter that does not suit this request's text). While the server rates it below
+        KEEP_RATIO x another at the request's context now, the best rated there: a request that grew into
+        the contexts where its drafter falls apart (acceptance.AcceptanceHistory.set_probe_context; an
+        agentic turn of 222 tokens took the embedded draft model, which accepted 0.53 a position to 0.57 for
+        EAGLE-3 there, and kept it past 300 tokens, where it accepts ~0.3). Not a free choice: the request's
+        own counts with its drafter were taken at the shorter contexts and would keep it. A request that
+        has not drafted with a model drafter yet and is an explorer gets the one explorer() names."""
         drafter, band = own_drafter(request), band_of(request)
         if drafter is None:
             return self.explorer(request, lengths)
         if self.is_collapsed(drafter, band):
             return None
-        others = [self.request_alpha(request, m) for m in lengths
-                  if m not in LOOKUPS and m != drafter and not self.is_collapsed(m, band)]
-        return None if others and self.request_alpha(request, drafter) < ABANDON_RATIO * max(others) else drafter
+        others = [m for m in lengths if m not in LOOKUPS and m != drafter and not self.is_collapsed(m, band)]
+        if not others:
+            return drafter
+        if self.request_alpha(request, drafter) < ABANDON_RATIO * max(self.request_alpha(request, m) for m in others):
+            return None
+        rated = {m: self.history.rating(m, band, request.num_tokens) or 0.0 for m in (drafter, *others)}
+        best = max(others, key=rated.get)
+        return best if 0.0 < rated[drafter] < KEEP_RATIO * rated[best] else drafter
 
     def explorer(self, request, lengths: dict[str, int]) -> str | None:
         """The drafter an exploring request takes: one request in EXPLORE_EVERY (by a hash of its id, so the
@@ -190,12 +201,12 @@ class MethodChoice:
         if zlib.crc32(request.request_id.encode()) % EXPLORE_EVERY:
             return None
         band = band_of(request)
-        rated = {m: self.history.rating(m, band) for m in lengths if m not in LOOKUPS}
+        rated = {m: self.history.rating(m, band, request.num_tokens) for m in lengths if m not in LOOKUPS}
         rated = {m: r for m, r in rated.items() if r is not None and not self.is_collapsed(m, band)}
         best = max(rated.values(), default=0.0)
 
         def seen(m: str) -> float:
-            return self.history.long.get((m, band), (0.0, 0.0))[1]
+            return self.history.traffic_positions(m, band)
 
         def could_lead(m: str, r: float) -> bool:
             spread = ((1.0 - r) / (r * (seen(m) + EXPLORE_PRIOR))) ** 0.5     # relative, of its traffic ratio

@@ -230,11 +230,11 @@ class SpecDispatcher:
             req.spec_stats.record(len(d), out.num_accepted)
             if req.request_id in self._chosen:
                 req.spec_stats.record_method(method, len(d), out.num_accepted)
-            self.learner.observe_acceptance(method, len(d), out.num_accepted, band_of(req))
+            self.learner.observe_acceptance(method, len(d), out.num_accepted, band_of(req), req.num_tokens)
             spec = self.speculators.get(method) if d else None
             drafter = spec.drafter_of(req) if spec is not None else None
             if drafter is not None:     # the same drafter's acceptance: what `auto` rates it by
-                self.learner.observe_acceptance(drafter, len(d), out.num_accepted, band_of(req))
+                self.learner.observe_acceptance(drafter, len(d), out.num_accepted, band_of(req), req.num_tokens)
             if d:
                 st = stats.spec.setdefault(method, SpecStepStats())
                 self._book_step(st, len(d), out.num_accepted)

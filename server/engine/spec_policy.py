@@ -119,8 +119,9 @@ class GoodputPolicy(MethodChoice, DraftCosts):
         """A pure decode/verify step (no prefill rows): N query tokens took `seconds` (forward + sampling)."""
         self.cost.observe(num_tokens, seconds)
 
-    def observe_acceptance(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy") -> None:
-        self.history.observe(method, num_draft, num_accepted, band, watch=method not in UNWATCHED)
+    def observe_acceptance(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy",
+                           context: int = 0) -> None:
+        self.history.observe(method, num_draft, num_accepted, band, watch=method not in UNWATCHED, context=context)
 
     def note_drafting(self, seqs: Sequence[ScheduledSeq]) -> None:
         """After the step's cuts: count the steps in a row each speculating request drafted nothing. A
@@ -171,8 +172,9 @@ class GoodputPolicy(MethodChoice, DraftCosts):
     def drain_collapses(self) -> dict[str, int]:
         return self.history.drain_collapses()
 
-    def alpha(self, method: str, accepted: float, attempted: float, band: str = "greedy") -> float:
-        return self.history.alpha(method, accepted, attempted, band)
+    def alpha(self, method: str, accepted: float, attempted: float, band: str = "greedy",
+              context: int = 0) -> float:
+        return self.history.alpha(method, accepted, attempted, band, context)
 
     def request_alpha(self, request, method: str, explore: bool = False) -> float:
         """The request's acceptance estimate for `method`: its own counts with that method (`auto` keeps
@@ -183,18 +185,18 @@ class GoodputPolicy(MethodChoice, DraftCosts):
         tried: ranked by the histories as they were, the first drafter a band's
         traffic took kept it (at T = 0.8, the draft model for 303 steps and EAGLE-3, which accepts more
         for less, for 1)."""
-        stats, band = request.spec_stats, band_of(request)
+        stats, band, context = request.spec_stats, band_of(request), request.num_tokens
         if request.spec_params.method == method:
-            return self.alpha(method, stats.num_accepted_tokens, stats.num_attempted_positions, band)
+            return self.alpha(method, stats.num_accepted_tokens, stats.num_attempted_positions, band, context)
         scored = stats.lookup_score(method)
         if scored and scored[1]:        # a lookup: every draft it offered, chosen or not (AutoSpeculator)
             return self.alpha(method, scored[0], scored[1], band)
         row = stats.by_method.get(method)
         if row:
-            return self.alpha(method, row[2], row[3], band)
-        alpha = self.alpha(method, 0, 0, band)
-        if self.history.rating(method, band) is not None:
-            alpha *= self.history.request_level(stats.by_method, band)
+            return self.alpha(method, row[2], row[3], band, context)
+        alpha = self.alpha(method, 0, 0, band, context)
+        if self.history.rating(method, band, context) is not None:
+            alpha *= self.history.request_level(stats.by_method, band, context)
         elif explore:                                                   # probed drafters: explorer()
             seen = self.history.attempted(method, band)
             alpha += EXPLORE_Z * (alpha * (1.0 - alpha) / (seen + PRIOR_WEIGHT)) ** 0.5

@@ -20,7 +20,11 @@ real traffic with (it needs 20 positions). With one text of each kind the rankin
 MTP 0.74 / 0.72; with two of each, 0.68 against 0.65. At k = 4 and 32 tokens the sampled round rated
 EAGLE-3 and MTP 0.606 and 0.600, and `auto` drafted with MTP; at k = 8 and 64 tokens, four seeds of it
 rated EAGLE-3 above MTP in each (0.628-0.665 against 0.586-0.653), as eight code prompts at T = 0.8
-measure them (0.68 against 0.63; EAGLE-3 alone 1.13x plain, MTP 1.08x). It takes ~13 s at start-up here.
+measure them (0.68 against 0.63; EAGLE-3 alone 1.13x plain, MTP 1.08x). Then one longer text (probe_long.txt,
+a Python module) cut to 384 tokens, at both temperatures, `tokens` / 2 new tokens: each drafter's value at
+that context bucket (AcceptanceHistory.set_probe_context). The embedded draft model, trained on 256-token
+sequences, accepted 0.30-0.34 a position at T = 0.8 on agentic turns of 370-560 tokens where EAGLE-3 accepted
+0.50-0.54 (0.53-0.59 and 0.57-0.64 under 256), and `auto` had drafted half of them with it.
 
 The probe leaves nothing behind but that history and the drafters' cost estimates per depth, follow-up
 and catch-up. Not the line of a propose's cost against its depth: the probe's proposes are all of depth k
@@ -34,11 +38,13 @@ any), none carries a suffix-cache scope, and no metric counts them (the server's
 """
 from __future__ import annotations
 
+import importlib.resources
 import itertools
 import logging
 import time
 
 from specserve.sampling.params import SamplingParams
+from specserve.server.engine.acceptance import CONTEXT_BASE, context_bucket
 from specserve.speculators import registry
 from specserve.speculators.base import SpecParams
 
@@ -65,6 +71,9 @@ PROBE_TEXTS = (
 )
 PROBE_TEMPERATURES = (0.0, 0.8)
 PROBE_SEED = 0
+# the longer contexts: one text (a Python module, probe_long.txt) cut to the middle of context buckets
+# b = 1..PROBE_CONTEXT_BUCKETS (384 tokens), those that fit the context window with the new tokens
+PROBE_CONTEXT_BUCKETS = 1
 
 
 def probe_drafters(engine, tokens: int, k: int = PROBE_K) -> dict[tuple[str, str], float]:
@@ -76,10 +85,14 @@ def probe_drafters(engine, tokens: int, k: int = PROBE_K) -> dict[tuple[str, str
     start = time.perf_counter()
     room = engine.max_model_len // 2                     # a short context window: half for the prompt
     prompts = [engine.tokenizer.encode(text)[-room:] for text in PROBE_TEXTS]
+    long_ids = engine.tokenizer.encode(long_text())
+    lengths = [3 * CONTEXT_BASE * 2 ** (b - 1) // 2 for b in range(1, PROBE_CONTEXT_BUCKETS + 1)]
+    prompts += [long_ids[:n] for n in lengths
+                if n <= len(long_ids) and n + tokens + k + 1 <= engine.max_model_len]
     ids = []
     for t, (j, prompt) in itertools.product(PROBE_TEMPERATURES, enumerate(prompts)):
         for method in methods:        # a round per text and temperature: a drafter's forward has one row
-            new = min(tokens, engine.max_model_len - len(prompt) - k - 1)
+            new = min(tokens if j < len(PROBE_TEXTS) else tokens // 2, engine.max_model_len - len(prompt) - k - 1)
             params = SamplingParams(temperature=t, max_tokens=max(new, 1), ignore_eos=True,
                                     seed=PROBE_SEED if t else None)
             rid = f"probe-{method}-{t}-{j}"
@@ -98,12 +111,23 @@ def probe_drafters(engine, tokens: int, k: int = PROBE_K) -> dict[tuple[str, str
     seen = {}
     for method in methods:
         for band in ("greedy", "sampled"):
-            acc, att = history.slow.get((method, band), (0.0, 0.0))
+            acc, att = history.contexts.get((method, band, 0), (0.0, 0.0))      # the short texts'
             if att:
                 seen[(method, band)] = acc / att
                 history.set_probe(method, band, acc, att)
             history.cap(method, band, PRIOR_POSITIONS)
-    log.info("speculation probe (%d requests x %d tokens, %.1f s): acceptance per position %s", len(ids), tokens,
-             time.perf_counter() - start,
-             ", ".join(f"{m} {b} {a:.2f}" for (m, b), a in sorted(seen.items())))
+    for band in ("greedy", "sampled"):
+        for bucket in sorted({context_bucket(len(p)) for p in prompts} - {0}):
+            history.set_probe_context(band, bucket, {m: history.contexts.get((m, band, bucket), (0.0, 0.0))
+                                                     for m in methods})
+    log.info("speculation probe (%d requests x %d tokens, %.1f s): acceptance per position %s; at longer "
+             "contexts %s", len(ids), tokens, time.perf_counter() - start,
+             ", ".join(f"{m} {b} {a:.2f}" for (m, b), a in sorted(seen.items())),
+             ", ".join(f"{m} {b} {CONTEXT_BASE << (c - 1)}+ {a:.2f}"
+                       for (m, b, c), a in sorted(history.probed_context.items())) or "none")
     return seen
+
+
+def long_text() -> str:
+    """The probe's long text: a Python module of ~1,800 tokens of the embedded tokenizer."""
+    return importlib.resources.files(__package__).joinpath("probe_long.txt").read_text(encoding="utf-8")
