@@ -185,8 +185,8 @@ class AcceptanceHistory:
         of `band`, all on one text. The text is harder or easier for every drafter alike (the shift: the
         median of their ratios to their short-context probe values), and one drafter may fall apart there (a
         draft model trained on shorter sequences than the target serves: the embedded one, trained on
-        256-token sequences, accepted 0.30-0.34 a position at T = 0.8 on 370-560-token agentic turns where
-        EAGLE-3 accepted 0.50-0.54, and 0.53-0.59 on turns under 256 tokens, EAGLE-3 0.57-0.64). Each
+        256-token sequences, accepted 0.32-0.38 a position at T = 0.8 on 367-563-token agentic turns where
+        EAGLE-3 accepted 0.50, and 0.56-0.59 on turns under 256 tokens, EAGLE-3 0.59-0.66). Each
         drafter's value there is its short-context value times the shift, lowered to its own acceptance
         (shrunk by CONTEXT_WEIGHT positions towards that) where that is lower: one text's few dozen positions
         may demote a drafter that falls apart, never reorder the rest (at 32 tokens it measured EAGLE-1 above

@@ -167,8 +167,8 @@ class MethodChoice:
         accept (a drafter that does not suit this request's text). While the server rates it below
         KEEP_RATIO x another at the request's context now, the best rated there: a request that grew into
         the contexts where its drafter falls apart (acceptance.AcceptanceHistory.set_probe_context; an
-        agentic turn of 222 tokens took the embedded draft model, which accepted 0.53 a position to 0.57 for
-        EAGLE-3 there, and kept it past 300 tokens, where it accepts ~0.3). Not a free choice: the request's
+        agentic turn of 222 tokens took the embedded draft model, which accepted 0.57 a position to 0.59 for
+        EAGLE-3 there, and kept it past 300 tokens, where it accepts 0.3-0.4). Not a free choice: the request's
         own counts with its drafter were taken at the shorter contexts and would keep it. A request that
         has not drafted with a model drafter yet and is an explorer gets the one explorer() names."""
         drafter, band = own_drafter(request), band_of(request)

@@ -23,8 +23,9 @@ rated EAGLE-3 above MTP in each (0.628-0.665 against 0.586-0.653), as eight code
 measure them (0.68 against 0.63; EAGLE-3 alone 1.13x plain, MTP 1.08x). Then one longer text (probe_long.txt,
 a Python module) cut to 384 tokens, at both temperatures, `tokens` / 2 new tokens: each drafter's value at
 that context bucket (AcceptanceHistory.set_probe_context). The embedded draft model, trained on 256-token
-sequences, accepted 0.30-0.34 a position at T = 0.8 on agentic turns of 370-560 tokens where EAGLE-3 accepted
-0.50-0.54 (0.53-0.59 and 0.57-0.64 under 256), and `auto` had drafted half of them with it.
+sequences, accepted 0.32-0.38 a position at T = 0.8 on agentic turns of 367-563 tokens where EAGLE-3 accepted
+0.50 (0.56-0.59 and 0.59-0.66 under 256: loadtest/depth_acceptance.py --by-prompt), and `auto` had drafted
+half of them with it.
 
 The probe leaves nothing behind but that history and the drafters' cost estimates per depth, follow-up
 and catch-up. Not the line of a propose's cost against its depth: the probe's proposes are all of depth k
