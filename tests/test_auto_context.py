@@ -71,14 +71,20 @@ def test_the_harder_text_of_long_requests_is_charged_to_their_context_not_to_the
     assert history.rating("eagle3", "sampled", 3 * CONTEXT_BASE // 2) == pytest.approx(1 / 3, rel=0.05)
 
 
-def test_a_long_request_drafts_with_the_drafter_that_holds_up_at_long_contexts():
-    history = _probed()
-    history.set_probe_context("sampled", 1, {"eagle3": (50.0, 100.0), "mtp": (48.0, 100.0),
-                                             "draft": (25.0, 100.0)})
+def _long_probed_policy() -> GoodputPolicy:
+    """A policy whose probe found the draft model falling apart at long contexts (the heads holding up),
+    the draft model the cheaper forward."""
     policy = GoodputPolicy()
-    policy.history = history
+    policy.history = _probed()
+    policy.history.set_probe_context("sampled", 1, {"eagle3": (50.0, 100.0), "mtp": (48.0, 100.0),
+                                                    "draft": (25.0, 100.0)})
     policy.cost.fit = lambda: (0.010, 0.0005)
-    policy.draft_step_s.update(eagle3=0.001, draft=0.0002)     # the draft model is the cheaper forward
+    policy.draft_step_s.update(eagle3=0.001, draft=0.0002)
+    return policy
+
+
+def test_a_long_request_drafts_with_the_drafter_that_holds_up_at_long_contexts():
+    policy = _long_probed_policy()
     rid = next(f"r{i}" for i in range(1000) if zlib.crc32(f"r{i}".encode()) % method_choice.EXPLORE_EVERY)
 
     def request(num_tokens: int) -> SimpleNamespace:
@@ -94,13 +100,7 @@ def test_a_request_that_grows_into_the_contexts_where_its_drafter_falls_apart_mo
     """It took the draft model at a short context and accepts from it as the probe said; past the long
     probe's context the server rates the draft model far below EAGLE-3 there, so the request drafts with
     EAGLE-3 from then on, though its own counts with the draft model (taken at the shorter context) are good."""
-    history = _probed()
-    history.set_probe_context("sampled", 1, {"eagle3": (50.0, 100.0), "mtp": (48.0, 100.0),
-                                             "draft": (25.0, 100.0)})
-    policy = GoodputPolicy()
-    policy.history = history
-    policy.cost.fit = lambda: (0.010, 0.0005)
-    policy.draft_step_s.update(eagle3=0.001, draft=0.0002)
+    policy = _long_probed_policy()
     request = SimpleNamespace(request_id="r", spec_params=SpecParams("auto", 4), spec_stats=SpecStats(),
                               sampling_params=SamplingParams(temperature=0.8, max_tokens=256),
                               num_tokens=CONTEXT_BASE - 20)
