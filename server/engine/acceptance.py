@@ -97,7 +97,6 @@ class AcceptanceHistory:
         # slow's memory (traffic, the levels) and RATIO_DECAY's (long, a drafter's ratio)
         self.traffic: dict[tuple[str, str, int], list[float]] = {}
         self.long: dict[tuple[str, str, int], list[float]] = {}
-        self.contexts: dict[tuple[str, str, int], list[float]] = {}   # slow's counts per context bucket
         self._rated: dict[tuple[str, str, int], float | None] = {}   # rating()'s answers until the next count
         self._raw: dict[str, dict[int, float]] = {}      # band -> bucket -> long's unshrunk level (_raw_levels)
         # (lookup, band) -> [reached, accepted] per depth of the drafts `auto` offered (observe_offer)
@@ -122,9 +121,6 @@ class AcceptanceHistory:
         self._forget()
         self._depth_rated.clear()
         bucket = context_bucket(context)
-        by_context = self.contexts.setdefault((method, band, bucket), [0.0, 0.0])
-        by_context[0] = by_context[0] * METHOD_DECAY + num_accepted
-        by_context[1] = by_context[1] * METHOD_DECAY + attempted
         predicted = attempted * (self.probe_at(method, band, bucket) or 0.0)
         for counts, decay in ((self.traffic, METHOD_DECAY), (self.long, RATIO_DECAY)):
             seen = counts.setdefault((method, band, bucket), [0.0, 0.0, 0.0])
@@ -217,18 +213,12 @@ class AcceptanceHistory:
         long requests may be harder text than its short ones (agentic turns against completions), and
         which drafter drafts them depends on the context, so one level would charge a long request's harder
         text to the drafter that drafts long requests."""
-        return _shrunk_level(*self._predicted(band, self.traffic, bucket))
-
-    def _predicted(self, band: str, counts: dict[tuple[str, str, int], list[float]],
-                   bucket: int) -> tuple[float, float]:
-        """(accepted, probe-predicted) positions of the band's probed drafters at context bucket `bucket` in
-        `counts` (traffic or long)."""
         accepted = expected = 0.0
-        for (m, b, c), row in counts.items():
+        for (m, b, c), row in self.traffic.items():
             if b == band and c == bucket and (m, b) in self.probed:
                 accepted += row[0]
                 expected += row[2]
-        return accepted, expected
+        return _shrunk_level(accepted, expected)
 
     def traffic_positions(self, method: str, band: str) -> float:
         """The positions `method` drafted in `band` since the probe, over the ratio's memory (all contexts)."""

@@ -109,18 +109,18 @@ def probe_drafters(engine, tokens: int, k: int = PROBE_K) -> dict[tuple[str, str
     learner.cost.forget()            # its steps' shape (every drafter's requests at once) is not traffic's
     learner.draft_fit.clear()        # nor its proposes': see the module's description
     history = learner.history
+    counts = {key: (row[0], row[1]) for key, row in history.traffic.items()}   # (method, band, context bucket)
     seen = {}
     for method in methods:
         for band in ("greedy", "sampled"):
-            acc, att = history.contexts.get((method, band, 0), (0.0, 0.0))      # the short texts'
+            acc, att = counts.get((method, band, 0), (0.0, 0.0))      # the short texts'
             if att:
                 seen[(method, band)] = acc / att
                 history.set_probe(method, band, acc, att)
             history.cap(method, band, PRIOR_POSITIONS)
     for band in ("greedy", "sampled"):
         for bucket in sorted({context_bucket(len(p)) for p in prompts} - {0}):
-            history.set_probe_context(band, bucket, {m: history.contexts.get((m, band, bucket), (0.0, 0.0))
-                                                     for m in methods})
+            history.set_probe_context(band, bucket, {m: counts.get((m, band, bucket), (0.0, 0.0)) for m in methods})
     log.info("speculation probe (%d requests x %d tokens, %.1f s): acceptance per position %s; at longer "
              "contexts %s", len(ids), tokens, time.perf_counter() - start,
              ", ".join(f"{m} {b} {a:.2f}" for (m, b), a in sorted(seen.items())),
