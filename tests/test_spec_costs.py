@@ -357,3 +357,35 @@ def test_a_step_lines_floor_stays_at_no_tokens():
         m.observe(n, 0.0012 + 0.003 * (n - 1))
     t0, t1 = m.fit()
     assert t0 == 0.0 and t1 * 3 == pytest.approx(sum(0.0012 + 0.003 * (n - 1) for n in range(1, 6)) / 5, rel=0.05)
+
+
+def test_a_drafters_line_from_timed_depths_prices_its_shallow_depths_before_any_traffic():
+    """The probe times each drafter at depths 1, 2, 4 and 8 (spec_probe.time_drafters): the median at each
+    depth starts its line, which stands before traffic and prices depth 1 at its fixed part plus one
+    depth, not at the mean per depth of depth-8 proposes (the draft model: 3.1 ms where depth 1 costs 4.6).
+    Traffic's proposes, all at one depth, then move the line's level and keep its slope."""
+    p = GoodputPolicy()
+    for _ in range(20):                              # the acceptance rounds: depth-8 proposes only
+        p.observe_propose("draft", 0.0017 + 0.0029 * 8, 8)
+    assert p.draft_cost("draft")[0] == 0.0           # one depth: its mean per depth, 3.1 ms
+    assert sum(p.draft_cost("draft")) == pytest.approx(0.0031, rel=0.01)
+    p.draft_fit.clear()
+    log = [("draft", d, 0.0017 + 0.0029 * d) for d in (1, 2, 4, 8) for _ in range(5)]
+    log += [("draft", 1, 0.05), ("eagle3", 1, 0.001), ("draft", 4, 0.0001)]      # a cold call, others
+    e0, e1 = p.set_draft_prior("draft", log)
+    assert (e0, e1) == pytest.approx((0.0017, 0.0029), rel=0.02) == p.draft_cost("draft")
+    assert p.set_draft_prior("eagle3", log) is None and "eagle3" not in p.draft_fit   # one depth timed
+    for _ in range(40):                              # traffic: depth 2, each 1 ms dearer than the line
+        p.observe_propose("draft", 0.0017 + 0.0029 * 2 + 0.001, 2)
+    e0, e1 = p.draft_cost("draft")
+    assert e1 == pytest.approx(0.0029, rel=0.05) and e0 + 2 * e1 == pytest.approx(0.0085, rel=0.02)
+
+
+def test_proposes_are_logged_only_while_the_probe_records_them():
+    p = GoodputPolicy()
+    p.observe_propose("mtp", 0.004, 2)
+    assert p.propose_log is None
+    p.propose_log = []
+    p.observe_propose("mtp", 0.006, 3)
+    p.observe_propose("mtp", 0.006, 0)               # no draft forward: nothing to price
+    assert p.propose_log == [("mtp", 3, 0.006)]

@@ -35,6 +35,10 @@ def test_the_probe_seeds_each_drafters_history_in_both_bands_and_leaves_nothing_
         assert 0 < history.probed[("draft", band)] < 1
         assert plain.engine.spec.learner.history.attempted("draft", band) == 0
     assert probed.engine.spec.learner.draft_step_s.get("draft", 0.0) > 0.0       # its cost is measured too
+    learner = probed.engine.spec.learner                  # at depths 1-8: a line before any traffic
+    e0, e1 = learner.draft_cost("draft")
+    assert learner.draft_fit["draft"].fit() == (e0, e1) and e1 > 0 and e0 + e1 > 0
+    assert learner.propose_log is None and "draft" not in plain.engine.spec.learner.draft_fit
     assert probed.engine.spec.learner.cost.steps == 0       # its steps' shape does not set the step line
     assert not probed.engine.live
     assert_no_leaks(probed)

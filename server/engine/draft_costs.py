@@ -12,7 +12,9 @@ every request and candidate of every step.
 """
 from __future__ import annotations
 
-from specserve.server.engine.step_cost import StepCostModel
+import statistics
+
+from specserve.server.engine.step_cost import MIN_FIT_STEPS, StepCostModel
 
 # A draft-cost sample counts for at most this multiple of the estimate (see observe_propose): a prompt
 # catch-up divided by the depth once priced the embedded draft model at 10.7 ms per depth, EAGLE-3 at 2.3.
@@ -36,6 +38,9 @@ AMORTIZE_MAX_STEPS = 32
 # spread over 32 steps, and `auto` with EAGLE-3 ran 1.71x plain decoding where it ran 1.84x without it.
 RUN_DECAY = 0.95
 RUN_PRIOR = 2.0           # runs the server's mean counts for beside a request's own ended runs
+# A drafter's cost line from the probe's timed depths (set_draft_prior) counts for this many proposes in all,
+# so that it stands before any traffic (MIN_FIT_STEPS) and later proposes set its level, not its slope.
+DRAFT_PRIOR_PROPOSES = float(MIN_FIT_STEPS)
 
 
 class DraftCosts:
@@ -47,12 +52,15 @@ class DraftCosts:
         self.catch_up: dict[str, StepCostModel] = {}          # model drafter -> catch-up s = c0 + c1 * rows
         self.runs: dict[tuple[str, str], list[float]] = {}    # (drafter, band) -> decayed [steps, runs]
         self.request_runs: dict[str, dict[str, list[int]]] = {}   # request id -> drafter -> [steps, runs]
+        self.propose_log: list[tuple[str, int, float]] | None = None   # (method, depth, s) while recording
 
     def observe_propose(self, method: str, seconds: float, steps: int) -> None:
         """A model drafter's propose call: `steps` draft forwards (its depth) took `seconds`. A call whose
         first forward caught up on many rows (a draft model reading a whole prompt, a head back from rest)
         is no draft step's price: each sample moves the estimate by at most MAX_DRAFT_RISE x."""
         if steps > 0:
+            if self.propose_log is not None:
+                self.propose_log.append((method, steps, seconds))
             _cost_ema(self.draft_step_s, method, seconds / steps)
             fit = self.draft_fit.setdefault(method, StepCostModel(floor_n=1, min_spread=DRAFT_MIN_SPREAD))
             line = fit.fit()
@@ -73,6 +81,27 @@ class DraftCosts:
         model = self.draft_fit.get(method)
         line = model.fit() if model is not None else None
         return line if line is not None else (0.0, self.draft_step_s.get(method, 0.0))
+
+    def set_draft_prior(self, method: str, log: list[tuple[str, int, float]]) -> tuple[float, float] | None:
+        """Start `method`'s propose line from proposes timed at several depths (the start-up probe's, from
+        propose_log): the median at each depth, together worth DRAFT_PRIOR_PROPOSES proposes, which never
+        decay. Traffic's proposes then set the line's level (StepCostModel) while their few depths barely move
+        its slope. Without it a drafter `auto` seldom takes is priced per depth at its probe's depth-8 proposes,
+        whose fixed part is spread over 8 depths: the embedded draft model read 3.1 ms a depth where depth 1
+        costs 4.6 ms and depth 2 7.4 (MTP 2.2 ms a depth: 6.6 at depth 2), and at the 1-2 depths of a sampled
+        request `auto` drafted 3 of 16 code requests with it, each slower than with EAGLE-3. Returns the line,
+        or None (and changes nothing) with fewer than two depths timed."""
+        times: dict[int, list[float]] = {}
+        for m, depth, seconds in log:
+            if m == method:
+                times.setdefault(depth, []).append(seconds)
+        if len(times) < 2:
+            return None
+        samples = [(depth, statistics.median(t)) for depth, t in sorted(times.items())]
+        model = StepCostModel(floor_n=1, min_spread=DRAFT_MIN_SPREAD)
+        model.set_prior(samples, DRAFT_PRIOR_PROPOSES / len(samples))
+        self.draft_fit[method] = model
+        return model.fit()
 
     def observe_follow_up(self, method: str, seconds: float) -> None:
         """A head's observe after a step it drafted in: one more forward over the verified rows, paid once

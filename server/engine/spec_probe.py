@@ -27,11 +27,16 @@ sequences, accepted 0.32-0.38 a position at T = 0.8 on agentic turns of 367-563 
 0.50 (0.56-0.59 and 0.59-0.66 under 256: loadtest/depth_acceptance.py --by-prompt), and `auto` had drafted
 half of them with it.
 
-The probe leaves nothing behind but that history and the drafters' cost estimates per depth, follow-up
-and catch-up. Not the line of a propose's cost against its depth: the probe's proposes are all of depth k
-but the last few of each request, many of them after a prompt catch-up, and the line it left read
-EAGLE-3 at 1.82 ms a depth where its mean per depth was 1.09; `auto` then rated every drafter below plain
-decoding at T = 0.8. Nor the step-time fit: its steps (every drafter's request at once, k + 1 rows each)
+Last, each drafter drafts alone, a request at a time, at each depth of COST_DEPTHS up to k (adaptive off,
+COST_TOKENS new tokens), and the median propose at each depth starts its cost line (DraftCosts.set_draft_prior):
+`auto` prices a drafter it seldom takes by that line until traffic re-levels it. The acceptance rounds' own
+proposes cannot give it: they are all of depth k but the last few of each request, many of them after a
+prompt catch-up, and the line they left read EAGLE-3 at 1.82 ms a depth where its mean per depth was 1.09
+(`auto` then rated every drafter below plain decoding at T = 0.8); their mean per depth spreads a propose's
+fixed part over 8 depths and priced the draft model's depth 1 at 3.1 ms where it costs 4.6.
+
+The probe leaves nothing behind but that history and the drafters' costs: the propose lines, follow-up and
+catch-up. Not the step-time fit: its steps (every drafter's request at once, k + 1 rows each)
 are not traffic's shape, and a line centred on such steps read a lone request's step as 1.3 ms + 0.73 ms
 a row where it costs 6 ms + 0.14 ms, so every draft looked dear.
 Its requests finish and free their blocks (their prompt blocks stay in the prefix cache, evictable like
@@ -75,6 +80,8 @@ PROBE_SEED = 0
 # the longer contexts: one text (a Python module, probe_long.txt) cut to the middle of context buckets
 # b = 1..PROBE_CONTEXT_BUCKETS (384 tokens), those that fit the context window with the new tokens
 PROBE_CONTEXT_BUCKETS = 1
+COST_DEPTHS = (1, 2, 4, 8)   # the depths each drafter's propose is timed at (those up to the server's k)
+COST_TOKENS = 16             # new tokens of each of those requests
 
 
 def probe_drafters(engine, tokens: int, k: int = PROBE_K) -> dict[tuple[str, str], float]:
@@ -106,10 +113,10 @@ def probe_drafters(engine, tokens: int, k: int = PROBE_K) -> dict[tuple[str, str
         while engine.has_work:
             engine.step()
     learner = engine.spec.learner
+    counts = {key: (row[0], row[1]) for key, row in learner.history.traffic.items()}   # before the cost round
+    lines = time_drafters(engine, methods, prompts[0], k)
     learner.cost.forget()            # its steps' shape (every drafter's requests at once) is not traffic's
-    learner.draft_fit.clear()        # nor its proposes': see the module's description
     history = learner.history
-    counts = {key: (row[0], row[1]) for key, row in history.traffic.items()}   # (method, band, context bucket)
     seen = {}
     for method in methods:
         for band in ("greedy", "sampled"):
@@ -122,11 +129,42 @@ def probe_drafters(engine, tokens: int, k: int = PROBE_K) -> dict[tuple[str, str
         for bucket in sorted({context_bucket(len(p)) for p in prompts} - {0}):
             history.set_probe_context(band, bucket, {m: counts.get((m, band, bucket), (0.0, 0.0)) for m in methods})
     log.info("speculation probe (%d requests x %d tokens, %.1f s): acceptance per position %s; at longer "
-             "contexts %s", len(ids), tokens, time.perf_counter() - start,
+             "contexts %s; propose %s", len(ids), tokens, time.perf_counter() - start,
              ", ".join(f"{m} {b} {a:.2f}" for (m, b), a in sorted(seen.items())),
              ", ".join(f"{m} {b} {CONTEXT_BASE << (c - 1)}+ {a:.2f}"
-                       for (m, b, c), a in sorted(history.probed_context.items())) or "none")
+                       for (m, b, c), a in sorted(history.probed_context.items())) or "none",
+             ", ".join(f"{m} {e0 * 1e3:.2f} + {e1 * 1e3:.2f} ms x depth" for m, (e0, e1) in lines.items()) or "untimed")
     return seen
+
+
+def time_drafters(engine, methods: list[str], prompt: list[int], k: int) -> dict[str, tuple[float, float]]:
+    """Each drafter alone on `prompt`, a request at a time, at each depth of COST_DEPTHS up to k, adaptive off
+    (T = 0.8, seeded: the band where the drafters' prices decide most): the median propose at each depth
+    starts its cost line (DraftCosts.set_draft_prior), the acceptance rounds' lines dropped. -> method -> the
+    line (e0, e1) set; a drafter timed at fewer than two depths (k = 1) keeps its mean per depth."""
+    learner = engine.spec.learner
+    learner.draft_fit.clear()        # the acceptance rounds' proposes: see the module's description
+    depths = sorted({min(d, k) for d in COST_DEPTHS})
+    new = min(COST_TOKENS, engine.max_model_len - len(prompt) - k - 1)
+    if len(depths) < 2 or new < 2:
+        return {}
+    params = SamplingParams(temperature=PROBE_TEMPERATURES[-1], max_tokens=new, ignore_eos=True, seed=PROBE_SEED)
+    learner.propose_log = []
+    try:
+        for method, depth in itertools.product(methods, depths):
+            try:
+                engine.add_request(f"probe-cost-{method}-{depth}", prompt, params,
+                                   SpecParams(method, depth, adaptive=False))
+            except ValueError:       # a KV cache too small for it: that drafter keeps its mean per depth
+                continue
+            while engine.has_work:
+                engine.step()
+        log_ = learner.propose_log
+    finally:
+        learner.propose_log = None
+    learner.draft_fit.clear()        # the cost round's own samples, taken again as the prior below
+    lines = {m: learner.set_draft_prior(m, log_) for m in methods}
+    return {m: line for m, line in lines.items() if line is not None}
 
 
 def long_text() -> str:
