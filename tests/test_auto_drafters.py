@@ -147,7 +147,9 @@ def test_a_request_whose_text_suits_no_drafter_expects_the_others_no_better_than
                            spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.8))
     hard.spec_stats.by_method["eagle3"] = [30, 80, 12, 60]    # 0.2 a position where 0.6 was expected
     level = policy.history.request_level(hard.spec_stats.by_method, "sampled")
-    assert level == pytest.approx((12 + 8) / (60 * 0.6 + 8), rel=0.01)
+    weight = acceptance.SAMPLED_DRAFTER_WEIGHT * 0.6            # alpha()'s weight, in expected positions
+    assert level == pytest.approx((12 + weight) / (60 * 0.6 + weight), rel=0.01)
+    assert policy.request_alpha(hard, "eagle3") == pytest.approx(0.6 * level, rel=0.01)   # the same shrinkage
     assert policy.request_alpha(hard, "mtp") == pytest.approx(0.55 * level, rel=0.01)
     assert policy.kept_drafter(hard, lengths) == "eagle3"      # mtp is no longer 2x what it accepts
     easy = SimpleNamespace(num_tokens=100, request_id=_explorer_id(False), spec_params=SpecParams("auto", 4),
@@ -184,3 +186,36 @@ def test_leaving_a_drafter_in_step_is_charged_its_next_catch_up_beyond_its_follo
     policy, request = setup(follow_up=0.002)
     assert policy.leave_s(request, "draft", in_step) == 0.0
     assert policy.choose_method(request, 8, lengths, behind=in_step) == "ngram"
+
+
+def test_a_sampled_requests_first_positions_move_its_drafters_estimate_little():
+    """When sampling, a drafter's acceptance differs little between requests, so a request's own positions
+    count against the probe's rating at SAMPLED_DRAFTER_WEIGHT: 2 of its first 13 drafts accepted leave
+    EAGLE-3 near its rating and worth drafting (at PRIOR_WEIGHT: 0.26, below plain decoding, and the request
+    stopped drafting); a hundred positions at 0.2 do bring it down. Greedy requests, whose acceptance
+    differs much more between texts, keep PRIOR_WEIGHT."""
+    history = acceptance.AcceptanceHistory()
+    for band in ("greedy", "sampled"):
+        history.set_probe("eagle3", band, 240.4, 400.0)          # 0.60 once shrunk
+    policy = GoodputPolicy()
+    policy.history = history
+    policy.cost.fit = lambda: (0.014, 0.00035)
+    policy.draft_fit.clear()
+    policy.draft_step_s.update(eagle3=0.003)
+    policy.follow_up_s.update(eagle3=0.002)
+
+    def request(temperature: float, accepted: int, attempted: int) -> SimpleNamespace:
+        r = SimpleNamespace(num_tokens=100, request_id=_explorer_id(False), spec_params=SpecParams("auto", 8),
+                            spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=temperature))
+        r.spec_stats.by_method["eagle3"] = [attempted, attempted, accepted, attempted]
+        return r
+    w = acceptance.SAMPLED_DRAFTER_WEIGHT
+    unlucky = request(0.8, 2, 13)
+    assert policy.request_alpha(unlucky, "eagle3") == pytest.approx((2 + w * 0.6) / (13 + w), rel=0.01)
+    assert policy.choose_method(unlucky, 8, {"eagle3": 8}) == "eagle3"
+    history.sampled_drafter_weight = acceptance.PRIOR_WEIGHT
+    assert policy.request_alpha(unlucky, "eagle3") == pytest.approx((2 + 4 * 0.6) / 17, rel=0.01)
+    assert policy.choose_method(unlucky, 8, {"eagle3": 8}) == "none"
+    history.sampled_drafter_weight = w
+    assert policy.request_alpha(request(0.8, 20, 100), "eagle3") == pytest.approx((20 + w * 0.6) / (100 + w))
+    assert policy.request_alpha(request(0.0, 2, 13), "eagle3") == pytest.approx((2 + 4 * 0.6) / 17, rel=0.01)

@@ -67,6 +67,14 @@ BANDS = ("greedy", "sampled")
 LEVEL_WEIGHT = 8.0        # expected accepted positions the traffic level (1: as probed) counts for
 RATIO_WEIGHT = 200.0      # the same, for a drafter's own ratio to the level (1: as probed): see _rating()
 CONTEXT_BASE = 256        # context buckets (context_bucket): [0, 256), [256, 512), [512, 1024), ... tokens
+# A request's own positions against its prior, for a model drafter the probe rated, when sampling. At T = 0.8 a
+# drafter's acceptance differs little between requests of a kind: EAGLE-3 over 8 prompts x 2 rounds (~150
+# positions each) spread 0.56-0.75 on code and 0.57-0.66 on prose, SD 0.06 and 0.03, of which sampling alone
+# explains ~0.04 (loadtest/depth_acceptance.py --by-prompt), so a request's first dozen positions say little of
+# its own level. Shrunk by PRIOR_WEIGHT, an agentic turn whose EAGLE-3 accepted 2 of its first 13 drafts was
+# priced at 0.26, below plain decoding, and plain-decoded or took lookups for 73 of its 90 steps, slower than
+# EAGLE-3 alone on the same text (1.93 s against 1.76).
+SAMPLED_DRAFTER_WEIGHT = 32.0
 CONTEXT_WEIGHT = 16.0     # positions the probe's shift of every drafter at a longer context counts for in a
 #                           drafter's probe value there (AcceptanceHistory.set_probe_context)
 
@@ -102,6 +110,7 @@ class AcceptanceHistory:
         # (lookup, band) -> [reached, accepted] per depth of the drafts `auto` offered (observe_offer)
         self.depths: dict[tuple[str, str], list[list[float]]] = {}
         self._depth_rated: dict[tuple[str, str, int], list[float]] = {}   # depth_alphas' until the next count
+        self.sampled_drafter_weight = SAMPLED_DRAFTER_WEIGHT     # alpha()'s prior weight for those requests
 
     def observe(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy",
                 watch: bool = True, context: int = 0) -> None:
@@ -227,16 +236,22 @@ class AcceptanceHistory:
     def request_level(self, by_method: dict[str, list], band: str, context: int = 0) -> float:
         """level() for one request (`by_method`: its SpecStats rows): what it accepted from the probed
         drafters it drafted with over what their ratings predict for those positions, shrunk towards 1 by
-        LEVEL_WEIGHT. A probed drafter the request has not drafted with is expected at its rating times
+        LEVEL_WEIGHT (when sampling, by as many as alpha() shrinks its drafter's own: a request whose drafter
+        is estimated at x its rating is expected at x the others' too). A probed drafter the request has not
+        drafted with is expected at its rating times
         this (GoodputPolicy.request_alpha): at T = 0.8 on an agentic turn where every drafter lost to plain
         decoding, a request that left the draft model (3 of 23 accepted) met EAGLE-3 and MTP at their
         server ratings, switched to each in turn and accepted 25 of 88."""
-        accepted = expected = 0.0
+        accepted = expected = attempted = 0.0
         for method, row in by_method.items():
             rating = self.rating(method, band, context) if row[3] else None
             if rating is not None:
                 accepted += row[2]
                 expected += row[3] * rating
+                attempted += row[3]
+        if band == "sampled" and attempted:    # as alpha() shrinks its drafter's own: SAMPLED_DRAFTER_WEIGHT
+            weight = self.sampled_drafter_weight * expected / attempted
+            return (accepted + weight) / (expected + weight)
         return _shrunk_level(accepted, expected)
 
     def rating(self, method: str, band: str, context: int = 0) -> float | None:
@@ -324,10 +339,13 @@ class AcceptanceHistory:
         good (one rejected first draft once stopped ngram at batch 1 for every later step: 0.96x plain
         against 2.09x with k fixed)."""
         prior = self.rating(method, band, context)
+        weight = PRIOR_WEIGHT
         if prior is None:
             acc, att = self.slow.get((method, band), (0.0, 0.0))
             prior = (acc + PRIOR_WEIGHT * PRIOR_ALPHA) / (att + PRIOR_WEIGHT)
-        return min((accepted + PRIOR_WEIGHT * prior) / (attempted + PRIOR_WEIGHT), 0.999)
+        elif band == "sampled":          # a probed drafter: see SAMPLED_DRAFTER_WEIGHT
+            weight = self.sampled_drafter_weight
+        return min((accepted + weight * prior) / (attempted + weight), 0.999)
 
 
 def _shrunk_level(accepted: float, expected: float) -> float:
