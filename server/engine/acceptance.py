@@ -72,7 +72,7 @@ CONTEXT_BASE = 256        # context buckets (context_bucket): [0, 256), [256, 51
 # positions each) spread 0.56-0.75 on code and 0.57-0.66 on prose, SD 0.06 and 0.03, of which sampling alone
 # explains ~0.04 (loadtest/depth_acceptance.py --by-prompt), so a request's first dozen positions say little of
 # its own level. Shrunk by PRIOR_WEIGHT, an agentic turn whose EAGLE-3 accepted 2 of its first 13 drafts was
-# priced at 0.26, below plain decoding, and plain-decoded or took lookups for 73 of its 90 steps, slower than
+# priced at 0.26, below plain decoding, and plain-decoded or took lookups for 80 of its 90 steps, slower than
 # EAGLE-3 alone on the same text (1.93 s against 1.76).
 SAMPLED_DRAFTER_WEIGHT = 32.0
 CONTEXT_WEIGHT = 16.0     # positions the probe's shift of every drafter at a longer context counts for in a

@@ -89,8 +89,8 @@ class DraftCosts:
         its slope. Without it a drafter `auto` seldom takes is priced per depth at its probe's depth-8 proposes,
         whose fixed part is spread over 8 depths: the embedded draft model read 3.1 ms a depth where depth 1
         costs 4.6 ms and depth 2 7.4 (MTP 2.2 ms a depth: 6.6 at depth 2), and at the 1-2 depths of a sampled
-        request `auto` drafted 3 of 16 code requests with it, each slower than with EAGLE-3. Returns the line,
-        or None (and changes nothing) with fewer than two depths timed."""
+        request `auto` drafted 3 of 16 code requests with it, two of them far slower than with EAGLE-3. Returns
+        the line, or None (and changes nothing) with fewer than two depths timed."""
         times: dict[int, list[float]] = {}
         for m, depth, seconds in log:
             if m == method:
