@@ -250,8 +250,7 @@ class AcceptanceHistory:
                 expected += row[3] * rating
                 attempted += row[3]
         if band == "sampled" and attempted:    # as alpha() shrinks its drafter's own: SAMPLED_DRAFTER_WEIGHT
-            weight = self.sampled_drafter_weight * expected / attempted
-            return (accepted + weight) / (expected + weight)
+            return _shrunk_level(accepted, expected, self.sampled_drafter_weight * expected / attempted)
         return _shrunk_level(accepted, expected)
 
     def rating(self, method: str, band: str, context: int = 0) -> float | None:
@@ -348,6 +347,6 @@ class AcceptanceHistory:
         return min((accepted + weight * prior) / (attempted + weight), 0.999)
 
 
-def _shrunk_level(accepted: float, expected: float) -> float:
-    """Accepted over expected positions, shrunk towards 1 by LEVEL_WEIGHT."""
-    return (accepted + LEVEL_WEIGHT) / (expected + LEVEL_WEIGHT)
+def _shrunk_level(accepted: float, expected: float, weight: float = LEVEL_WEIGHT) -> float:
+    """Accepted over expected positions, shrunk towards 1 by `weight` expected positions."""
+    return (accepted + weight) / (expected + weight)
