@@ -130,6 +130,33 @@ def test_explorers_stop_trying_a_drafter_once_its_traffic_shows_it_cannot_rate_b
     assert policy.explorer(explorer, lengths) == "mtp"
 
 
+def test_explorers_skip_a_drafter_too_dear_to_lead_at_any_acceptance_its_evidence_allows():
+    """Probed level with EAGLE-3 and untried, a drafter costing three times as much per depth could not give
+    more tokens per second even at the top of its standard error: explorers leave it; priced the same, it
+    is explored."""
+    history = acceptance.AcceptanceHistory()
+    history.set_probe("eagle3", "greedy", 240.4, 400.0)
+    history.set_probe("mtp", "greedy", 240.4, 400.0)
+    policy = GoodputPolicy()
+    policy.history = history
+    policy.cost.fit = lambda: (0.015, 0.0005)
+    lengths = {"eagle3": 8, "mtp": 8, "ngram": 0}
+    explorer = SimpleNamespace(num_tokens=100, request_id=_explorer_id(True), spec_params=SpecParams("auto", 8),
+                               spec_stats=SpecStats(), sampling_params=SamplingParams(temperature=0.0))
+
+    def price(mtp_per_depth: float) -> None:
+        for method, per_depth in (("eagle3", 0.002), ("mtp", mtp_per_depth)):
+            policy.set_draft_prior(method, [(method, d, per_depth * d) for d in (1, 2, 4, 8)])
+    price(0.002)
+    assert policy.explorer(explorer, lengths) in ("eagle3", "mtp")     # either could lead: least traffic
+    history.long[("eagle3", "greedy", 0)] = [60.0, 100.0, 60.0]
+    history._forget()
+    assert policy.explorer(explorer, lengths) == "mtp"
+    price(0.006)
+    assert policy.explorer(explorer, lengths) is None
+    assert policy.choose_method(explorer, 8, lengths) == "eagle3"
+
+
 def test_a_request_whose_text_suits_no_drafter_expects_the_others_no_better_than_its_own():
     """A probed drafter a request has not drafted with is expected at its server rating times how the
     request's text suited the drafters it did use. A request accepting a third of what its drafter's

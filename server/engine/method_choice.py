@@ -104,7 +104,7 @@ class MethodChoice:
         memo = {} if memo is None else memo
         rid = request.request_id
         if (rid, None) not in memo:
-            memo[(rid, None)] = self.kept_drafter(request, lengths)
+            memo[(rid, None)] = self.kept_drafter(request, lengths, t0)
         drafter = memo[(rid, None)]
         leave = self.leave_s(request, drafter, behind)
         if leave and sharing:               # the catch-up forward is shared by the drafter's group
@@ -161,7 +161,7 @@ class MethodChoice:
             return 0.0
         return max(self.catch_up_s(drafter, 1) - self.follow_up_s.get(drafter, 0.0), 0.0)
 
-    def kept_drafter(self, request, lengths: dict[str, int]) -> str | None:
+    def kept_drafter(self, request, lengths: dict[str, int], base: float | None = None) -> str | None:
         """The request's own drafter (own_drafter), None (free choice) while it is collapsed or while the
         request accepts from it less than ABANDON_RATIO x what another candidate drafter is expected to
         accept (a drafter that does not suit this request's text). While the server rates it below
@@ -170,10 +170,11 @@ class MethodChoice:
         agentic turn of 222 tokens took the embedded draft model, which accepted 0.57 a position to 0.59 for
         EAGLE-3 there, and kept it past 300 tokens, where it accepts 0.3-0.4). Not a free choice: the request's
         own counts with its drafter were taken at the shorter contexts and would keep it. A request that
-        has not drafted with a model drafter yet and is an explorer gets the one explorer() names."""
+        has not drafted with a model drafter yet and is an explorer gets the one explorer() names (`base`: the
+        request's share of the step it prices with)."""
         drafter, band = own_drafter(request), band_of(request)
         if drafter is None:
-            return self.explorer(request, lengths)
+            return self.explorer(request, lengths, base)
         if self.is_collapsed(drafter, band):
             return None
         others = [m for m in lengths if m not in LOOKUPS and m != drafter and not self.is_collapsed(m, band)]
@@ -185,32 +186,46 @@ class MethodChoice:
         best = max(others, key=rated.get)
         return best if 0.0 < rated[drafter] < KEEP_RATIO * rated[best] else drafter
 
-    def explorer(self, request, lengths: dict[str, int]) -> str | None:
+    def explorer(self, request, lengths: dict[str, int], base: float | None = None) -> str | None:
         """The drafter an exploring request takes: one request in EXPLORE_EVERY (by a hash of its id, so the
-        same request always is or is not one) takes, of the candidate probed drafters that could still rate
-        best, the one with the least traffic in its band, so that each drafter's traffic ratio
-        (AcceptanceHistory.rating) is measured on the server's own text. A drafter could still rate best
-        while its rating plus EXPLORE_Z_RATIO standard errors of its traffic ratio reaches the best rating:
-        with no traffic a drafter at 0.9 of the best is tried (~13 % at 0.6 acceptance), after ~100 of its
-        positions it is not, and the explorers stop paying for a question the traffic has answered (at
-        T = 0.8 one explorer on the draft model accepted 3 of 18 drafts and plain-decoded or took a
-        lookup on 66 of its 86 steps). None for the rest: they take the best rated. The probe replaces an
-        upper confidence bound for probed drafters: rated at their probe plus a bound, untried drafters
-        took the first requests of a band, one of them EAGLE-1 (probe 0.47, bound 0.60), which accepted 2
-        of 8 and plain-decoded 40 of its 79 steps."""
+        same request always is or is not one) takes, of the candidate probed drafters that could still lead,
+        the one with the least traffic in its band, so that each drafter's traffic ratio
+        (AcceptanceHistory.rating) is measured on the server's own text. A drafter could still lead while,
+        at its rating plus EXPLORE_Z_RATIO standard errors of its traffic ratio, it would give as many
+        tokens per second as the best does at its rating, each priced with its own propose and follow-up
+        costs at its best depth (_best_rate at the request's share `base` of the step): with no traffic a
+        drafter at 0.9 of the best is tried (~13 % at 0.6 acceptance) where it costs the same, after ~100
+        of its positions it is not, and the explorers stop paying for a question the traffic has answered
+        (at T = 0.8 one explorer on the draft model accepted 3 of 18 drafts and plain-decoded or took a
+        lookup on 66 of its 86 steps). Rated on acceptance alone, MTP (probe level with EAGLE-3, 1.5 ms a
+        depth dearer) was explored on one code request in 16, each 10-15 % slower than on EAGLE-3, though
+        at no acceptance its probe allowed could it have led. None for the rest: they take the best rated.
+        The probe replaces an upper confidence bound for probed drafters: rated at their probe plus a bound,
+        untried drafters took the first requests of a band, one of them EAGLE-1 (probe 0.47, bound 0.60),
+        which accepted 2 of 8 and plain-decoded 40 of its 79 steps."""
         if zlib.crc32(request.request_id.encode()) % EXPLORE_EVERY:
             return None
         band = band_of(request)
         rated = {m: self.history.rating(m, band, request.num_tokens) for m in lengths if m not in LOOKUPS}
         rated = {m: r for m, r in rated.items() if r is not None and not self.is_collapsed(m, band)}
-        best = max(rated.values(), default=0.0)
+        if len(rated) < 2:
+            return None
+        fit = self.cost.fit()
+        t0, t1 = fit if fit is not None else NOMINAL_COST
+        t0 = t0 if base is None else base
+        k = max(max(lengths[m] for m in rated), 1)              # the depth a model drafter could draft
+
+        def rate(m: str, alpha: float) -> float:
+            fixed, per_depth = self.draft_cost(m)
+            return self._best_rate(alpha, k, t0, t1, per_depth, fixed + self.follow_up_s.get(m, 0.0))
+        best = max(rate(m, r) for m, r in rated.items())
 
         def seen(m: str) -> float:
             return self.history.traffic_positions(m, band)
 
         def could_lead(m: str, r: float) -> bool:
             spread = ((1.0 - r) / (r * (seen(m) + EXPLORE_PRIOR))) ** 0.5     # relative, of its traffic ratio
-            return r >= best or r * (1.0 + EXPLORE_Z_RATIO * spread) >= best
+            return rate(m, r * (1.0 + EXPLORE_Z_RATIO * spread)) >= best
         candidates = [m for m, r in rated.items() if could_lead(m, r)]
         if len(candidates) < 2:
             return None
