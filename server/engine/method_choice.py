@@ -53,8 +53,7 @@ class MethodChoice:
         a third pass prices it at the group it really has and they leave. `behind(request, method)`: the
         rows a model drafter would first have to catch the request up on (see choose_method).
         """
-        fit = self.cost.fit()
-        t0, t1 = fit if fit is not None else NOMINAL_COST
+        t0, t1 = self.step_line()
         num_seqs = max(num_seqs or len(requests), 1)
         base = (t0 + t1 * num_seqs) / num_seqs - t1        # base + t1 (1 + L): the request's share
         memo: dict = {}         # what the second pass would compute again (kept drafter, acceptance estimates)
@@ -71,6 +70,13 @@ class MethodChoice:
                 break
             chosen = again
         return chosen
+
+    def step_line(self, base: float | None = None) -> tuple[float, float]:
+        """(t0, t1) of a step, the fitted line or NOMINAL_COST before it fits; `base`, where given, in place of
+        t0 (a request's share of a batched step)."""
+        fit = self.cost.fit()
+        t0, t1 = fit if fit is not None else NOMINAL_COST
+        return (t0 if base is None else base), t1
 
     def choose_method(self, request, k: int, lengths: dict[str, int], base: float | None = None,
                       sharing: int | dict[str, int] | None = None,
@@ -98,9 +104,7 @@ class MethodChoice:
         the calls of one step (choose_methods), which keeps what does not depend on the pricing.
         """
         band = band_of(request)
-        fit = self.cost.fit()
-        t0, t1 = fit if fit is not None else NOMINAL_COST
-        t0 = t0 if base is None else base
+        t0, t1 = self.step_line(base)
         memo = {} if memo is None else memo
         rid = request.request_id
         if (rid, None) not in memo:
@@ -210,9 +214,7 @@ class MethodChoice:
         rated = {m: r for m, r in rated.items() if r is not None and not self.is_collapsed(m, band)}
         if len(rated) < 2:
             return None
-        fit = self.cost.fit()
-        t0, t1 = fit if fit is not None else NOMINAL_COST
-        t0 = t0 if base is None else base
+        t0, t1 = self.step_line(base)
         k = max(max(lengths[m] for m in rated), 1)              # the depth a model drafter could draft
 
         def rate(m: str, alpha: float) -> float:

@@ -62,7 +62,6 @@ from specserve.server.engine.scheduler import ScheduledSeq
 from specserve.server.engine.step_cost import (
     MIN_FIT_STEPS,
     MIN_T1_RATIO,
-    NOMINAL_COST,
     ROW_BLOCK,
     StepCostModel,
     best_stop,
@@ -150,8 +149,7 @@ class GoodputPolicy(MethodChoice, DraftCosts):
         dry = self.dry.get(request.request_id, 0)
         if dry == 0 or dry % RECHOOSE_EVERY == 0 or self.probing(request):
             return False
-        fit = self.cost.fit()
-        t0, t1 = fit if fit is not None else NOMINAL_COST
+        t0, t1 = self.step_line()
         num_seqs = max(num_seqs, 1)
         share = (t0 + t1 * num_seqs) / num_seqs
         return sum(self.lookup_s.get(m, 0.0) for m in lookups) > REST_SHARE * share
