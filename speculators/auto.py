@@ -104,6 +104,7 @@ class AutoSpeculator(Speculator):
         self.chooser: Chooser = each_longest_lookup
         self._lookup_drafts: dict[str, dict[str, list[int]]] = {}    # request id -> method -> draft
         self.lookup_seconds: dict[str, tuple[float, int]] = {}    # lookup -> (seconds, requests) of the last choose
+        self.choice_seconds: tuple[float, int] = (0.0, 0)   # the last choose besides its lookups, requests not resting
         # request id -> (position, lookup, draft) offered and not yet scored (score_offers)
         self._offered: dict[str, list[tuple[int, str, list[int]]]] = {}
         # request id -> the lookups whose draft offered at its latest offering step it went on to emit whole
@@ -144,7 +145,10 @@ class AutoSpeculator(Speculator):
         nothing more to verify than any other draft of that length, and a model drafter would have to beat
         an acceptance the request has just shown while paying for its forwards. Copying text (a repeated
         answer, an edited file) chains such steps: at batch 1 on repeated requests, `auto` ran 0.96-0.97x
-        suffix alone at the same 8.09 tokens a step, its pricing ~0.1 ms of a ~12 ms step."""
+        suffix alone at the same 8.09 tokens a step, its pricing ~0.1 ms of a ~12 ms step.
+
+        Its own time besides the lookups goes to choice_seconds, with the requests it did not leave resting."""
+        start = time.perf_counter()
         self._refresh()
         for r in requests:
             self.score_offers(r)
@@ -178,6 +182,8 @@ class AutoSpeculator(Speculator):
         choices = ["none"] * len(requests)
         for j, i in enumerate(live):
             choices[i] = kept[j] if j in kept else next(chosen)
+        looking = sum(seconds for seconds, _ in self.lookup_seconds.values())
+        self.choice_seconds = (max(time.perf_counter() - start - looking, 0.0), len(reqs))
         return choices
 
     def _run_lookup(self, method: str, reqs: Sequence[SpecRequest], ks: Sequence[int], idx: list[int],

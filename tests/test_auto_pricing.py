@@ -15,7 +15,7 @@ def test_auto_rates_each_method_at_its_best_depth():
     p = fitted_policy()
     p.observe_propose("draft", 0.004, 1)
     alphas = {"draft": 0.85, "ngram": 0.62}
-    p.request_alpha = lambda request, method, explore=False: alphas[method]
+    p.request_alpha = lambda request, method, explore=False, level=None: alphas[method]
     lengths = {"draft": 8, "ngram": 4}
 
     def rate(m, n):
@@ -35,7 +35,7 @@ def test_auto_prices_a_model_drafter_shared_by_the_batch_that_chooses_it():
     p = fitted_policy(t0, t1)
     p.observe_propose("eagle3", 0.0026, 1)
     alphas = {"eagle3": 0.7, "ngram": 0.45}
-    p.request_alpha = lambda request, method, explore=False: alphas[method]
+    p.request_alpha = lambda request, method, explore=False, level=None: alphas[method]
     lengths = {"eagle3": 8, "ngram": 2}
     reqs = [seq(f"r{i}", 8).request for i in range(16)]
     assert p.choose_method(reqs[0], 8, lengths) == "ngram"
@@ -53,7 +53,7 @@ def test_auto_prices_catching_a_request_up_by_the_rows_it_skipped():
     p = fitted_policy()
     p.observe_propose("eagle3", 0.001, 1)
     alphas = {"eagle3": 0.8, "ngram": 0.6}
-    p.request_alpha = lambda request, method, explore=False: alphas[method]
+    p.request_alpha = lambda request, method, explore=False, level=None: alphas[method]
     lengths = {"eagle3": 8, "ngram": 3}
     r = seq("r", 8).request                          # max_tokens 64, nothing generated yet
     assert p.choose_method(r, 8, lengths) == "eagle3"
@@ -92,7 +92,7 @@ def test_a_catch_up_is_spread_over_no_more_steps_than_the_drafters_runs_have_las
     p = fitted_policy()
     p.observe_propose("eagle3", 0.001, 1)
     alphas = {"eagle3": 0.8, "ngram": 0.6}
-    p.request_alpha = lambda request, method, explore=False: alphas[method]
+    p.request_alpha = lambda request, method, explore=False, level=None: alphas[method]
     for i in range(40):
         rows = 1 + (i * 37) % 400
         p.observe_catch_up("eagle3", 0.002 + 0.0002 * rows, rows)    # 2 ms + 0.2 ms per row
@@ -130,7 +130,7 @@ def _crowd(alphas: list[float]):
     p.observe_propose("draft", 0.004, 1)
     reqs = [seq(f"r{i}", 8).request for i in range(len(alphas))]
     by_id = {r.request_id: a for r, a in zip(reqs, alphas)}
-    p.request_alpha = lambda request, method, explore=False: by_id[request.request_id]
+    p.request_alpha = lambda request, method, explore=False, level=None: by_id[request.request_id]
     return p, reqs, t0 / len(reqs)
 
 
@@ -205,7 +205,8 @@ def test_a_lookup_is_priced_by_its_acceptance_at_each_depth():
         p.observe_acceptance("ngram", 8, 8 * (i % 2))
         p.history.observe_offer("ngram", 8, 8 * (i % 2))
     real = p.request_alpha
-    p.request_alpha = lambda request, method, explore=False: 0.75 if method == "eagle3" else real(request, method)
+    p.request_alpha = lambda request, method, explore=False, level=None: (0.75 if method == "eagle3"
+                                                                          else real(request, method))
     r = seq("r", 8, method="auto").request
     r.spec_stats.lookup_depths["ngram"] = [[3], [0]]          # three offers, each missed at its first token
     survive = p.request_survival(r, "ngram", 8)
@@ -220,3 +221,32 @@ def test_a_lookup_is_priced_by_its_acceptance_at_each_depth():
     assert s.num_draft_slots == 8
     plain = seq("plain", 8).request                      # not `auto`: no offers scored, one acceptance
     assert p.request_survival(plain, "ngram", 3) == pytest.approx([real(plain, "ngram") ** d for d in (1, 2, 3)])
+
+
+def test_a_drafter_that_cannot_lead_even_without_a_catch_up_is_not_priced_for_one():
+    """A catch-up only lowers a model drafter's rate, so a drafter below the best candidate without one is
+    left there: its rows behind are never read. One that could lead is priced with its catch-up, which can
+    still cost it the lead. On its probe step a request still prices a drafter that could be its probe."""
+    p = fitted_policy()
+    p.observe_propose("eagle3", 0.001, 1)
+    for i in range(40):
+        rows = 1 + (i * 37) % 400
+        p.observe_catch_up("eagle3", 0.002 + 0.0002 * rows, rows)    # 2 ms + 0.2 ms per row
+    alphas = {"eagle3": 0.3, "ngram": 0.6}
+    p.request_alpha = lambda request, method, explore=False, level=None: alphas[method]
+    lengths = {"ngram": 3, "eagle3": 8}
+    asked = []
+
+    def behind(request, method):
+        asked.append(method)
+        return 3000 if method == "eagle3" else 0
+    r = seq("r", 8).request
+    assert p.choose_method(r, 8, lengths, behind=behind) == "ngram" and asked == []
+    alphas["eagle3"] = 0.95                        # leads without its catch-up, not with 3000 rows of it
+    assert p.choose_method(r, 8, lengths, behind=behind) == "ngram" and asked == ["eagle3"]
+    assert p.choose_method(r, 8, lengths, behind=lambda request, method: 0) == "eagle3"
+    alphas["eagle3"], asked[:] = 0.01, []
+    weak = {"eagle3": 8}                           # below plain decoding even without a catch-up
+    assert p.choose_method(r, 8, weak, behind=behind) == "none" and asked == []
+    p.dry[r.request_id] = PROBE_EVERY - 1          # its probe step: the drafter is priced, and probes
+    assert p.choose_method(r, 8, weak, behind=behind) == "eagle3" and asked == ["eagle3"]

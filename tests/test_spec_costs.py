@@ -180,48 +180,6 @@ def test_a_cold_first_follow_up_is_forgotten_within_a_few_steps():
         p.observe_follow_up("eagle3", 0.003)                         # a real rise is followed
     assert p.follow_up_s["eagle3"] > 0.0028
 
-def test_a_cut_auto_request_rests_from_its_lookups_only_in_a_crowded_step():
-    """Lookups of 0.4 ms a request are ~5 % of a lone request's step and ~50 % of its share of a 16-sequence
-    step: only there does a request that drafted nothing skip them, and it still re-chooses every
-    RECHOOSE_EVERY-th dry step and on its probe."""
-    from specserve.server.engine.spec_policy import RECHOOSE_EVERY
-    p = fitted_policy(0.008, 0.0003)
-    p.observe_lookup("suffix", 0.0004, 1)
-    r = seq("a", 8, method="auto").request
-    lookups = ("suffix", "ngram")
-    rests = {}
-    for dry in range(PROBE_EVERY + 1):
-        p.dry[r.request_id] = dry
-        rests[dry] = (p.resting(r, 1, lookups), p.resting(r, 16, lookups), p.resting(r, 16, ()))
-    assert all(not alone and not free for alone, _, free in rests.values())
-    crowded = [d for d, (_, rest, _) in rests.items() if rest]
-    assert crowded == [d for d in range(1, PROBE_EVERY - 1) if d % RECHOOSE_EVERY]
-
-
-class _CountingLookup(Speculator):
-    """A context lookup that drafts [7] for every request and remembers whom it was asked about."""
-    name = "ngram"
-
-    def __init__(self) -> None:
-        self.asked: list[str] = []
-
-    def propose(self, requests, ks):
-        self.asked += [r.request_id for r in requests]
-        return DraftProposal([[7] * min(k, 1) for k in ks], [None] * len(ks))
-
-
-def test_auto_runs_no_lookup_for_a_resting_request_and_times_the_ones_it_runs():
-    from specserve.speculators.auto import AutoSpeculator
-    lookup = _CountingLookup()
-    auto = AutoSpeculator({"ngram": lookup})
-    reqs = [seq(f"r{i}", 4, method="auto").request for i in range(4)]
-    choices = auto.choose(reqs, [4] * 4, resting=lambda r: r.request_id in ("r1", "r3"))
-    assert lookup.asked == ["r0", "r2"]
-    assert choices == ["ngram", "none", "ngram", "none"]
-    seconds, asked = auto.lookup_seconds["ngram"]
-    assert asked == 2 and seconds >= 0.0
-
-
 def test_a_tree_step_is_priced_per_depth_not_per_verified_node(monkeypatch):
     """A tree of 8 nodes and depth 2 runs 2 draft forwards: its propose time divided by 8 would price the
     drafter's forward at a quarter of its cost, and the policy would then draft deeper than pays."""

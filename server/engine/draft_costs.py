@@ -6,6 +6,7 @@
     follow-up    o_m           a head's observe of the rows its drafts were verified in, once per step
     catch-up     c0 + c1 * rows   a model drafter reading the rows it skipped for an `auto` request
     lookup       c_m           a context lookup (suffix, ngram) per request, whatever its length
+    choice       c_a           `auto`'s choice for one request besides its lookups (scoring its offers, pricing)
 
 Each line is a StepCostModel, whose fit is kept between samples: `auto` and the trim read these costs for
 every request and candidate of every step.
@@ -48,6 +49,7 @@ class DraftCosts:
         self.draft_step_s: dict[str, float] = {}              # model drafter -> EMA seconds per draft step
         self.draft_fit: dict[str, StepCostModel] = {}         # model drafter -> propose s = e0 + e1 * depth
         self.lookup_s: dict[str, float] = {}                  # lookup -> EMA seconds per request and step
+        self.choice_s = 0.0                                   # `auto`'s choice: EMA seconds per request and step
         self.follow_up_s: dict[str, float] = {}               # model drafter -> EMA seconds of its observe
         self.catch_up: dict[str, StepCostModel] = {}          # model drafter -> catch-up s = c0 + c1 * rows
         self.runs: dict[tuple[str, str], list[float]] = {}    # (drafter, band) -> decayed [steps, runs]
@@ -157,6 +159,12 @@ class DraftCosts:
         """A context lookup's propose call for `num_requests` requests: its cost does not grow with depth."""
         if num_requests > 0:
             _ema(self.lookup_s, method, seconds / num_requests)
+
+    def observe_choice(self, seconds: float, num_requests: int) -> None:
+        """`auto`'s choice for `num_requests` requests took `seconds` besides their lookups."""
+        if num_requests > 0:
+            value = seconds / num_requests
+            self.choice_s = value if self.choice_s == 0.0 else 0.9 * self.choice_s + 0.1 * value
 
 
 def steps_left(request, alpha: float, n: int, run: float | None = None) -> float:

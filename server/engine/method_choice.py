@@ -114,42 +114,70 @@ class MethodChoice:
         if leave and sharing:               # the catch-up forward is shared by the drafter's group
             leave /= max(sharing.get(drafter, 1) if isinstance(sharing, dict) else sharing, 1)
         best, best_rate = "none", 1.0 / (t0 + t1 + leave)
-        probe, probe_rate = "none", 0.0
+        probe, probe_rate, probing = "none", 0.0, self.probing(request)
         for method, n in lengths.items():
             n = min(n, k)
-            if n <= 0 or self.is_collapsed(method, band) or (method not in LOOKUPS and drafter not in (None, method)):
+            if n <= 0 or (method not in LOOKUPS and drafter not in (None, method)):
+                continue
+            collapsed, fixed, per_depth, follow = self._method_costs(method, band, memo)
+            if collapsed:
                 continue
             share = sharing.get(method, 1) if isinstance(sharing, dict) else (sharing or 1)
             share = max(share, 1)
             if (rid, method) not in memo:
-                memo[(rid, method)] = self._estimates(request, method, n, band, behind)
-            survive, catch_up = memo[(rid, method)]
-            switch = leave if catch_up is None else catch_up
-            fixed, per_depth = self.draft_cost(method)
-            rate = self._best_rate(survive, n, t0, t1, per_depth / share,
-                                   (fixed + self.follow_up_s.get(method, 0.0)) / share + switch)
+                memo[(rid, method)] = self._survival(request, method, n, band, memo)
+            survive = memo[(rid, method)]
+            if behind is None or method not in self.draft_step_s:
+                switch = leave              # a lookup reads the context as it is
+            else:
+                # a catch-up only lowers the rate: a drafter that would not lead or probe without one is
+                # not priced further (its catch-up reads the ledger and the request's run)
+                bound = min(best_rate, probe_rate) if probing else best_rate
+                if self._best_rate(survive, n, t0, t1, per_depth / share, (fixed + follow) / share) <= bound:
+                    continue
+                if (rid, method, None) not in memo:
+                    memo[(rid, method, None)] = self._catch_up(request, method, n, band, behind, survive)
+                switch = memo[(rid, method, None)]
+            rate = self._best_rate(survive, n, t0, t1, per_depth / share, (fixed + follow) / share + switch)
             if rate > best_rate:
                 best, best_rate = method, rate
             # a probe drafts one position at its own cost, unshared: a lookup's row, or a model drafter's
             # forward when that costs no more than the request's share of the step (see PROBE_SHARE)
-            if rate > probe_rate and (method in LOOKUPS or fixed + per_depth + self.follow_up_s.get(method, 0.0)
-                                      + switch <= PROBE_SHARE * (t0 + t1)):
+            if rate > probe_rate and (method in LOOKUPS or fixed + per_depth + follow + switch
+                                      <= PROBE_SHARE * (t0 + t1)):
                 probe, probe_rate = method, rate
-        return probe if best == "none" and self.probing(request) else best
+        return probe if best == "none" and probing else best
 
-    def _estimates(self, request, method: str, n: int, band: str,
-                   behind: Callable[[object, str], int] | None) -> tuple[list[float], float | None]:
-        """(survival to depths 1..n: request_survival, catch-up per step or None) of `method` for the
-        request: what choose_method reads on every pass of a step whatever the pricing. Only model drafters
-        (a per-depth cost) catch up; a lookup reads the context as it is (None)."""
-        survive = self.request_survival(request, method, n, explore=True)
-        if behind is None or method not in self.draft_step_s:
-            return survive, None
+    def _method_costs(self, method: str, band: str, memo: dict) -> tuple[bool, float, float, float]:
+        """(collapsed in `band`, propose line's fixed part and per depth, follow-up) of `method`: the same for
+        every request of a step, so kept in the step's memo."""
+        key = (None, method, band)
+        if key not in memo:
+            fixed, per_depth = self.draft_cost(method)
+            memo[key] = (self.is_collapsed(method, band), fixed, per_depth, self.follow_up_s.get(method, 0.0))
+        return memo[key]
+
+    def _survival(self, request, method: str, n: int, band: str, memo: dict) -> list[float]:
+        """Survival of `method`'s draft to depths 1..n for the request (request_survival): what choose_method
+        reads on every pass of a step whatever the pricing. The request's traffic level
+        (AcceptanceHistory.request_level), the same for each of its model drafters, is kept in `memo`."""
+        level = None
+        if method not in LOOKUPS:
+            key = (request.request_id, "level")
+            if key not in memo:
+                memo[key] = self.history.request_level(request.spec_stats.by_method, band, request.num_tokens)
+            level = memo[key]
+        return self.request_survival(request, method, n, explore=True, level=level)
+
+    def _catch_up(self, request, method: str, n: int, band: str, behind: Callable[[object, str], int],
+                  survive: list[float]) -> float:
+        """A model drafter's catch-up for the request, per step it serves (catch_up_s over steps_left): 0 where
+        it is in step with the request."""
         rows = behind(request, method)
         if not rows:
-            return survive, 0.0
+            return 0.0
         alpha = survive[0] if survive else 0.0          # a model drafter's survival is alpha ** d
-        return survive, self.catch_up_s(method, rows, steps_left(request, alpha, n, self.run_steps(
+        return self.catch_up_s(method, rows, steps_left(request, alpha, n, self.run_steps(
             method, band, request.request_id)))
 
     def leave_s(self, request, drafter: str | None, behind: Callable[[object, str], int] | None) -> float:

@@ -177,6 +177,8 @@ class SpecDispatcher:
             if live else []
         for m, (seconds, num_requests) in auto_spec.lookup_seconds.items() if live else ():
             learner.observe_lookup(m, seconds, num_requests)      # what resting weighs (trim: already paid)
+        if live:
+            learner.observe_choice(*auto_spec.choice_seconds)     # so does the choice itself
         chosen = dict(zip(live, choices))
         for i in auto:
             methods[i] = chosen.get(i, "none")

@@ -142,17 +142,22 @@ class GoodputPolicy(MethodChoice, DraftCosts):
 
     def resting(self, request, num_seqs: int = 1, lookups: Sequence[str] = ()) -> bool:
         """`auto` skips this request's lookups and choice this step (it plain-decodes): it drafted nothing
-        last step, this is neither a re-choice step nor its probe, and the `lookups` auto would run cost
-        more than REST_SHARE of the request's share of a step of `num_seqs` sequences.
+        last step, this is neither a re-choice step nor its probe, and the `lookups` auto would run and the
+        choice itself (choice_s: scoring the request's offers, pricing its candidates) cost more than
+        REST_SHARE of the request's share of a step of `num_seqs` sequences.
         Example: t0 = 8 ms, t1 = 0.3 ms, suffix + ngram 0.4 ms a request: alone the share is 8.3 ms
-        (5 %: never rests); at 16 sequences 0.8 ms (50 %: rests)."""
+        (5 %: never rests); at 16 sequences 0.8 ms (50 %: rests). The choice counts as much: with bf16
+        on AMX tiles (a 16-sequence step of ~7 ms) it took ~0.1 ms a request beside ~0.06 ms of lookups,
+        and with the lookups alone counted, `auto` ran 16 fresh code requests at 0.80-0.99x plain
+        decoding, its choice 1.5-2.2 ms of each 11-14 ms step; with the choice counted, 1.15x (mixed
+        repeated and fresh requests: 1.03x and 1.19x)."""
         dry = self.dry.get(request.request_id, 0)
         if dry == 0 or dry % RECHOOSE_EVERY == 0 or self.probing(request):
             return False
         t0, t1 = self.step_line()
         num_seqs = max(num_seqs, 1)
         share = (t0 + t1 * num_seqs) / num_seqs
-        return sum(self.lookup_s.get(m, 0.0) for m in lookups) > REST_SHARE * share
+        return sum(self.lookup_s.get(m, 0.0) for m in lookups) + self.choice_s > REST_SHARE * share
 
     def skips_lookups(self, request, last: str | None) -> bool:
         """`auto` chooses for this request without running its lookups this step: it samples (T > 0), its
@@ -174,7 +179,7 @@ class GoodputPolicy(MethodChoice, DraftCosts):
               context: int = 0) -> float:
         return self.history.alpha(method, accepted, attempted, band, context)
 
-    def request_alpha(self, request, method: str, explore: bool = False) -> float:
+    def request_alpha(self, request, method: str, explore: bool = False, level: float | None = None) -> float:
         """The request's acceptance estimate for `method`: its own counts with that method (`auto` keeps
         them per method chosen), shrunk towards the method's server history in the request's band.
         explore (`auto`'s choice, not the trim): a method the request has not drafted with and that the
@@ -182,7 +187,7 @@ class GoodputPolicy(MethodChoice, DraftCosts):
         standard errors of it, an upper confidence bound, so that a history that is short or empty gets
         tried: ranked by the histories as they were, the first drafter a band's
         traffic took kept it (at T = 0.8, the draft model for 303 steps and EAGLE-3, which accepts more
-        for less, for 1)."""
+        for less, for 1). `level`: the request's request_level where the caller has it."""
         stats, band, context = request.spec_stats, band_of(request), request.num_tokens
         if request.spec_params.method == method:
             return self.alpha(method, stats.num_accepted_tokens, stats.num_attempted_positions, band, context)
@@ -194,13 +199,14 @@ class GoodputPolicy(MethodChoice, DraftCosts):
             return self.alpha(method, row[2], row[3], band, context)
         alpha = self.alpha(method, 0, 0, band, context)
         if self.history.rating(method, band, context) is not None:
-            alpha *= self.history.request_level(stats.by_method, band, context)
+            alpha *= self.history.request_level(stats.by_method, band, context) if level is None else level
         elif explore:                                                   # probed drafters: explorer()
             seen = self.history.attempted(method, band)
             alpha += EXPLORE_Z * (alpha * (1.0 - alpha) / (seen + PRIOR_WEIGHT)) ** 0.5
         return min(alpha, 0.999)
 
-    def request_survival(self, request, method: str, depth: int, explore: bool = False) -> list[float]:
+    def request_survival(self, request, method: str, depth: int, explore: bool = False,
+                         level: float | None = None) -> list[float]:
         """The chance that the request's draft of `method` is accepted through depth d, for d = 1..depth: the
         product of its acceptance at each depth given the earlier ones were. A context lookup whose offers
         `auto` has scored (spec_stats.lookup_depths) is measured per depth, each depth's counts shrunk by
@@ -217,7 +223,7 @@ class GoodputPolicy(MethodChoice, DraftCosts):
         band = band_of(request)
         reached, accepted = request.spec_stats.lookup_depths.get(method) or ((), ())
         if not reached and not (request.spec_params.method == "auto" and (method, band) in self.history.depths):
-            alpha = self.request_alpha(request, method, explore)
+            alpha = self.request_alpha(request, method, explore, level)
             return [alpha ** d for d in range(1, depth + 1)]
         server = self.history.depth_alphas(method, band, depth)
         out, s = [], 1.0
