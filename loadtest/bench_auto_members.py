@@ -70,8 +70,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--temperatures", default="0")
     ap.add_argument("--sets", default="prose,agentic,code_completion")
+    ap.add_argument("--speculation-probe-tokens", type=int, default=EngineConfig.speculation_probe_tokens,
+                    help="the start-up probe that rates auto's drafters (0: none, auto learns from traffic alone)")
     args = ap.parse_args(argv)
-    eng = LLM(config=EngineConfig(model=args.model, kv_cache_memory_gb=0.5, suffix_scope="user"))
+    eng = LLM(config=EngineConfig(model=args.model, kv_cache_memory_gb=0.5, suffix_scope="user",
+                                  speculation_probe_tokens=args.speculation_probe_tokens))
     sets, warm = workloads(eng, args.num_prompts, args.new_tokens)
     print(f"{args.num_prompts} prompts x {args.new_tokens} tokens, k = 8, batch 1, {args.rounds} rounds; "
           "tokens/s (÷ n-gram) [auto: share of drafted steps on a model drafter]")

@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     trees = [tuple(int(x) for x in t.split("x")) for t in args.trees.split(",") if t]
-    llm = LLM(dtype="float32", device="cpu", kv_cache_memory_gb=0.2, speculation_policy="fixed", num_threads=1)
+    # every arm drafts with its own method at a fixed k: no start-up probe (it rates drafters for `auto`)
+    llm = LLM(dtype="float32", device="cpu", kv_cache_memory_gb=0.2, speculation_policy="fixed", num_threads=1,
+              speculation_probe_tokens=0)
     rows: list[dict] = []
     for pset in args.prompt_sets.split(","):
         every = [p["prompt"] for p in load_prompt_set(pset, args.prompts)]

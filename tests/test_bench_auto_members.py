@@ -22,7 +22,7 @@ def test_bench_auto_members_smoke(monkeypatch):
         seen.append(("after", set(auto.members)))
     monkeypatch.setattr(bench_auto_members, "lookups_only", bench_auto_members.contextmanager(watched))
     results = bench_auto_members.main(["--num-prompts", "1", "--new-tokens", "6", "--rounds", "1",
-                                       "--sets", "prose"])
+                                       "--sets", "prose", "--speculation-probe-tokens", "0"])
     res = results[("prose", 0.0)]
     assert set(res) == set(bench_auto_members.ARMS)
     assert all(tok_s > 0 for tok_s, _, _ in res.values()) and res["ngram"][1] == 1.0
