@@ -163,8 +163,7 @@ class DraftCosts:
     def observe_choice(self, seconds: float, num_requests: int) -> None:
         """`auto`'s choice for `num_requests` requests took `seconds` besides their lookups."""
         if num_requests > 0:
-            value = seconds / num_requests
-            self.choice_s = value if self.choice_s == 0.0 else 0.9 * self.choice_s + 0.1 * value
+            self.choice_s = _moved(self.choice_s or None, seconds / num_requests)
 
 
 def steps_left(request, alpha: float, n: int, run: float | None = None) -> float:
@@ -193,6 +192,10 @@ def _cost_ema(table: dict[str, float], key: str, value: float) -> None:
 
 
 def _ema(table: dict[str, float], key: str, value: float) -> None:
-    old = table.get(key)
-    table[key] = value if old is None else 0.9 * old + 0.1 * value
+    table[key] = _moved(table.get(key), value)
+
+
+def _moved(old: float | None, value: float) -> float:
+    """An EMA (weight 0.1) moved by `value`; `value` itself where there is none yet."""
+    return value if old is None else 0.9 * old + 0.1 * value
 
