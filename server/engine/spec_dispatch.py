@@ -175,10 +175,10 @@ class SpecDispatcher:
                                            lookups=auto_spec.lookups()),
                                    lambda r: learner.skips_lookups(r, self._previous.get(r.request_id))) \
             if live else []
-        for m, (seconds, num_requests) in auto_spec.lookup_seconds.items() if live else ():
-            learner.observe_lookup(m, seconds, num_requests)      # what resting weighs (trim: already paid)
-        if live:
-            learner.observe_choice(*auto_spec.choice_seconds)     # so does the choice itself
+        if live:                        # what resting weighs (the trim: already paid)
+            for m, (seconds, num_requests) in auto_spec.lookup_seconds.items():
+                learner.observe_lookup(m, seconds, num_requests)
+            learner.observe_choice(*auto_spec.choice_seconds)
         chosen = dict(zip(live, choices))
         for i in auto:
             methods[i] = chosen.get(i, "none")
