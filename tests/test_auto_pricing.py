@@ -4,9 +4,11 @@ than a share of the step."""
 import pytest
 from test_spec_policy import T0, T1, fitted_policy, seq
 
+from specserve.server.engine.acceptance import CONTEXT_BASE
 from specserve.server.engine.method_choice import MethodChoice
 from specserve.server.engine.scheduler import ScheduledSeq
-from specserve.server.engine.spec_policy import PROBE_EVERY
+from specserve.server.engine.spec_policy import PROBE_EVERY, GoodputPolicy
+from specserve.speculators.auto import LOOKUPS
 
 
 def test_auto_rates_each_method_at_its_best_depth():
@@ -250,3 +252,42 @@ def test_a_drafter_that_cannot_lead_even_without_a_catch_up_is_not_priced_for_on
     assert p.choose_method(r, 8, weak, behind=behind) == "none" and asked == []
     p.dry[r.request_id] = PROBE_EVERY - 1          # its probe step: the drafter is priced, and probes
     assert p.choose_method(r, 8, weak, behind=behind) == "eagle3" and asked == ["eagle3"]
+
+
+def test_the_drafters_fresh_requests_have_not_used_are_priced_once_a_step_for_all_of_them():
+    """The fresh `auto` requests of a step at one context bucket expect each model drafter at its rating times
+    the same level (1: no drafter seen): its survival is computed once a step per bucket, not once a request,
+    and the step's choices are the ones pricing every request on its own gives."""
+    class PerRequest(GoodputPolicy):
+        def _survival(self, request, method, n, band, memo):
+            level = None if method in LOOKUPS else self._level(request, band, memo)
+            return (request.request_id, method), self.request_survival(request, method, n, explore=True, level=level)
+
+    def policy(cls):
+        p = cls()
+        for i in range(64):
+            n = 1 + (i * 7) % 80
+            p.observe_step(n, 0.0126 + 0.00057 * n)
+        for m, accepted in (("eagle3", 290.0), ("mtp", 270.0), ("draft", 230.0)):
+            p.history.set_probe(m, "greedy", accepted, 400.0)
+            p.observe_propose(m, 0.0026, 1)
+        return p
+
+    fresh = [seq(f"fresh{i}", 8, method="auto").request for i in range(12)]
+    long_ = seq("long", 8, method="auto").request
+    long_.prompt_token_ids = [1] * (2 * CONTEXT_BASE)
+    used = seq("used", 8, method="auto").request
+    used.spec_stats.by_method["eagle3"] = [4, 12, 3, 7]           # steps, drafts, accepted, attempted
+    reqs = [*fresh, long_, used]
+    lengths = [{"ngram": 4 * (i % 2), "eagle3": 8, "mtp": 8, "draft": 8} for i in range(len(reqs))]
+    shared, alone = policy(GoodputPolicy), policy(PerRequest)
+    priced = []
+    survival = shared.request_survival
+    shared.request_survival = lambda r, m, *a, **kw: priced.append((r.request_id, m)) or survival(r, m, *a, **kw)
+    chosen = shared.choose_methods(reqs, [8] * len(reqs), lengths, num_seqs=len(reqs))
+    assert chosen == alone.choose_methods(reqs, [8] * len(reqs), lengths, num_seqs=len(reqs))
+    assert set(chosen) >= {"eagle3", "ngram"}, chosen
+    drafters = [(r, m) for r, m in priced if m != "ngram"]
+    assert len([r for r, _ in drafters if r.startswith("fresh")]) == 3          # 36 priced one by one
+    assert len([r for r, _ in drafters if r == "long"]) == 3                     # its own bucket
+    assert [m for r, m in drafters if r == "used"] == ["eagle3"]                 # its own counts

@@ -127,8 +127,7 @@ class AcceptanceHistory:
         baseline = acc[0] / acc[1] if acc[1] >= COLLAPSE_MIN_ATTEMPTED else None   # before this step
         acc[0] = acc[0] * METHOD_DECAY + num_accepted
         acc[1] = acc[1] * METHOD_DECAY + attempted
-        self._forget()
-        self._depth_rated.clear()
+        self._counted(method, band)
         bucket = context_bucket(context)
         predicted = attempted * (self.probe_at(method, band, bucket) or 0.0)
         for counts, decay in ((self.traffic, METHOD_DECAY), (self.long, RATIO_DECAY)):
@@ -298,6 +297,19 @@ class AcceptanceHistory:
         self._rated.clear()
         self._raw.clear()
 
+    def _counted(self, method: str, band: str) -> None:
+        """Drop what a count of (method, band) changes: every rating where the method is probed (the levels
+        sum the probed drafters' traffic), else none (an unprobed method is rated by no one: a lookup's
+        counts move only its own acceptance), and the method's own depth_alphas in `band` (those of a probed
+        drafter follow its rating, so all of them where it is probed). At batch 1 most steps count a lookup
+        alone, and each recomputed every drafter's rating for the next choice."""
+        if (method, band) in self.probed:
+            self._forget()
+            self._depth_rated.clear()
+        else:
+            for key in [key for key in self._depth_rated if key[:2] == (method, band)]:
+                del self._depth_rated[key]
+
     def observe_offer(self, method: str, num_draft: int, num_accepted: int, band: str = "greedy") -> None:
         """A context lookup's draft that `auto` offered, chosen or not, scored against the tokens the request
         went on to emit (AutoSpeculator.score_offers): counted per depth, decayed by METHOD_DECAY. The
@@ -306,7 +318,7 @@ class AcceptanceHistory:
         depth 4 7 times, offered there 24 times; each depth's acceptance about the same in both)."""
         if num_draft > 0:
             count_depths(self.depths.setdefault((method, band), [[], []]), num_draft, num_accepted, METHOD_DECAY)
-            self._depth_rated.clear()
+            self._counted(method, band)
 
     def depth_alphas(self, method: str, band: str, depth: int) -> list[float]:
         """`method`'s acceptance at depths 1..depth given the earlier ones were accepted, over the drafts

@@ -16,7 +16,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from specserve.server.engine.acceptance import band_of
+from specserve.server.engine.acceptance import band_of, context_bucket
 from specserve.server.engine.draft_costs import steps_left
 from specserve.server.engine.step_cost import NOMINAL_COST
 from specserve.speculators.auto import LOOKUPS
@@ -108,7 +108,7 @@ class MethodChoice:
         memo = {} if memo is None else memo
         rid = request.request_id
         if (rid, None) not in memo:
-            memo[(rid, None)] = self.kept_drafter(request, lengths, t0)
+            memo[(rid, None)] = self.kept_drafter(request, lengths, t0, self._level(request, band, memo))
         drafter = memo[(rid, None)]
         leave = self.leave_s(request, drafter, behind)
         if leave and sharing:               # the catch-up forward is shared by the drafter's group
@@ -126,19 +126,25 @@ class MethodChoice:
             share = max(share, 1)
             if (rid, method) not in memo:
                 memo[(rid, method)] = self._survival(request, method, n, band, memo)
-            survive = memo[(rid, method)]
+            key, survive = memo[(rid, method)]
             if behind is None or method not in self.draft_step_s:
                 switch = leave              # a lookup reads the context as it is
+                rate = self._best_rate(survive, n, t0, t1, per_depth / share, (fixed + follow) / share + switch)
             else:
                 # a catch-up only lowers the rate: a drafter that would not lead or probe without one is
-                # not priced further (its catch-up reads the ledger and the request's run)
-                bound = min(best_rate, probe_rate) if probing else best_rate
-                if self._best_rate(survive, n, t0, t1, per_depth / share, (fixed + follow) / share) <= bound:
+                # not priced further (its catch-up reads the ledger and the request's run); its rate without
+                # one is the same for every request with the same survival (`key`) and share
+                if (key, share) not in memo:
+                    memo[(key, share)] = self._best_rate(survive, n, t0, t1, per_depth / share,
+                                                         (fixed + follow) / share)
+                rate = memo[(key, share)]
+                if rate <= (min(best_rate, probe_rate) if probing else best_rate):
                     continue
                 if (rid, method, None) not in memo:
                     memo[(rid, method, None)] = self._catch_up(request, method, n, band, behind, survive)
                 switch = memo[(rid, method, None)]
-            rate = self._best_rate(survive, n, t0, t1, per_depth / share, (fixed + follow) / share + switch)
+                if switch:
+                    rate = self._best_rate(survive, n, t0, t1, per_depth / share, (fixed + follow) / share + switch)
             if rate > best_rate:
                 best, best_rate = method, rate
             # a probe drafts one position at its own cost, unshared: a lookup's row, or a model drafter's
@@ -157,17 +163,30 @@ class MethodChoice:
             memo[key] = (self.is_collapsed(method, band), fixed, per_depth, self.follow_up_s.get(method, 0.0))
         return memo[key]
 
-    def _survival(self, request, method: str, n: int, band: str, memo: dict) -> list[float]:
-        """Survival of `method`'s draft to depths 1..n for the request (request_survival): what choose_method
-        reads on every pass of a step whatever the pricing. The request's traffic level
-        (AcceptanceHistory.request_level), the same for each of its model drafters, is kept in `memo`."""
-        level = None
-        if method not in LOOKUPS:
-            key = (request.request_id, "level")
-            if key not in memo:
-                memo[key] = self.history.request_level(request.spec_stats.by_method, band, request.num_tokens)
-            level = memo[key]
-        return self.request_survival(request, method, n, explore=True, level=level)
+    def _survival(self, request, method: str, n: int, band: str, memo: dict) -> tuple[tuple, list[float]]:
+        """(key, survival of `method`'s draft to depths 1..n for the request (request_survival)): what
+        choose_method reads on every pass of a step whatever the pricing. The request's traffic level
+        (AcceptanceHistory.request_level), the same for each of its model drafters, is kept in `memo`. A model
+        drafter the request has not drafted with is expected at its rating (at the request's context bucket)
+        times that level: the same survival for each such request of the step, kept once in `memo` under
+        the key returned (at 16 fresh code requests a step, pricing each drafter for each request was a
+        third of the choice); else the key is the request's own."""
+        if method in LOOKUPS:
+            return (request.request_id, method), self.request_survival(request, method, n, explore=True)
+        level = self._level(request, band, memo)
+        if method in request.spec_stats.by_method or request.spec_params.method == method:
+            return (request.request_id, method), self.request_survival(request, method, n, explore=True, level=level)
+        key = (None, method, band, context_bucket(request.num_tokens), level, n)
+        if key not in memo:
+            memo[key] = self.request_survival(request, method, n, explore=True, level=level)
+        return key, memo[key]
+
+    def _level(self, request, band: str, memo: dict) -> float:
+        """The request's traffic level (AcceptanceHistory.request_level), kept in the step's `memo`."""
+        key = (request.request_id, "level")
+        if key not in memo:
+            memo[key] = self.history.request_level(request.spec_stats.by_method, band, request.num_tokens)
+        return memo[key]
 
     def _catch_up(self, request, method: str, n: int, band: str, behind: Callable[[object, str], int],
                   survive: list[float]) -> float:
@@ -193,7 +212,8 @@ class MethodChoice:
             return 0.0
         return max(self.catch_up_s(drafter, 1) - self.follow_up_s.get(drafter, 0.0), 0.0)
 
-    def kept_drafter(self, request, lengths: dict[str, int], base: float | None = None) -> str | None:
+    def kept_drafter(self, request, lengths: dict[str, int], base: float | None = None,
+                     level: float | None = None) -> str | None:
         """The request's own drafter (own_drafter), None (free choice) while it is collapsed or while the
         request accepts from it less than ABANDON_RATIO x what another candidate drafter is expected to
         accept (a drafter that does not suit this request's text). While the server rates it below
@@ -203,7 +223,7 @@ class MethodChoice:
         EAGLE-3 there, and kept it past 300 tokens, where it accepts 0.3-0.4). Not a free choice: the request's
         own counts with its drafter were taken at the shorter contexts and would keep it. A request that
         has not drafted with a model drafter yet and is an explorer gets the one explorer() names (`base`: the
-        request's share of the step it prices with)."""
+        request's share of the step it prices with; `level`: its request_level, where the caller has it)."""
         drafter, band = own_drafter(request), band_of(request)
         if drafter is None:
             return self.explorer(request, lengths, base)
@@ -212,7 +232,8 @@ class MethodChoice:
         others = [m for m in lengths if m not in LOOKUPS and m != drafter and not self.is_collapsed(m, band)]
         if not others:
             return drafter
-        if self.request_alpha(request, drafter) < ABANDON_RATIO * max(self.request_alpha(request, m) for m in others):
+        if (self.request_alpha(request, drafter, level=level)
+                < ABANDON_RATIO * max(self.request_alpha(request, m, level=level) for m in others)):
             return None
         rated = {m: self.history.rating(m, band, request.num_tokens) or 0.0 for m in (drafter, *others)}
         best = max(others, key=rated.get)
