@@ -262,6 +262,8 @@ class Speculator:
     # seconds of the last propose spent reading what the drafter had not seen yet (a draft model's first
     # look at a prompt, a resting head's catch-up): not the price of a draft step (server/engine/spec_policy.py)
     last_catch_up_s: float = 0.0
+    # ... and the rows it read then (0: none, or a drafter that does not count them)
+    last_catch_up_rows: int = 0
     # True: propose() builds draft trees for requests whose SpecParams.draft_tree is set
     drafts_trees: bool = False
 

@@ -191,6 +191,7 @@ class DraftModelSpeculator(Speculator):
         unseen = sum(len(t) for t in first_tokens)
         self.last_catch_up_s = (time.perf_counter() - start) * (1 - 2 * len(live) / unseen) \
             if unseen > 2 * len(live) else 0.0
+        self.last_catch_up_rows = unseen - 2 * len(live) if unseen > 2 * len(live) else 0
         for item, end in zip(live, ends):
             item.state.num_confirmed = end
             item.state.speculative = []

@@ -44,6 +44,14 @@ class HeadSpeculator(Speculator):
     def last_catch_up_s(self, seconds: float) -> None:
         self.drafter.last_catch_up_s = seconds
 
+    @property
+    def last_catch_up_rows(self) -> int:
+        return self.drafter.last_catch_up_rows
+
+    @last_catch_up_rows.setter
+    def last_catch_up_rows(self, rows: int) -> None:
+        self.drafter.last_catch_up_rows = rows
+
     def bind(self) -> None:
         """Hook before the head reads a forward's states (EAGLE-3 re-reads the runner's tap order)."""
 

@@ -129,6 +129,7 @@ class HiddenStateDrafter:
         self.num_prefix_catch_ups = 0     # requests whose prompt (cached or unobserved) it read from the stash
         self.num_rested = 0               # request-steps observe() passed over (the stash fills them in)
         self.last_catch_up_s = 0.0        # seconds the last propose spent in catch_up
+        self.last_catch_up_rows = 0       # and the rows it read
         self._drafted: set[str] = set()   # requests proposed for since their last observe
         # reason -> count since the engine last drained it (spec_decode_refused_total):
         # "drafter_cache_full": a step drafted nothing for want of KV room; "prefix_unseen": the head had
@@ -168,8 +169,9 @@ class HiddenStateDrafter:
                 outputs[j] = torch.cat([self.stash.read(req.block_ids, first, start), outputs[j]])
         self._advance(items, outputs)
 
-    def catch_up(self, requests: Sequence) -> None:
-        """Bring heads that skipped observing up to the request's last computed position, from the stash."""
+    def catch_up(self, requests: Sequence) -> int:
+        """Bring heads that skipped observing up to the request's last computed position, from the stash.
+        Returns the rows read."""
         items, outputs = [], []
         for req in requests:
             seq = self._seqs.get(req.request_id)
@@ -187,6 +189,7 @@ class HiddenStateDrafter:
             outputs.append(self.stash.read(req.block_ids, seq.ends[0], end0))       # [end0 - ends[0], H]
         if items:
             self._advance(items, outputs)
+        return sum(out.shape[0] for out in outputs)
 
     def _advance(self, items: list[tuple], outputs: list[torch.Tensor]) -> None:
         """Run every layer over the bases each request's layer lacks. items: (request, seq, end0), the
@@ -242,7 +245,7 @@ class HiddenStateDrafter:
         asked = [req for req, k in zip(requests, ks) if k > 0]
         self._drafted.update(req.request_id for req in asked)
         start = time.perf_counter()
-        self.catch_up(asked)
+        self.last_catch_up_rows = self.catch_up(asked)
         self.last_catch_up_s = time.perf_counter() - start
         live: list[_Live] = []
         grown: list[_Live] = []          # draft-tree requests (speculators/draft_tree.py)

@@ -39,6 +39,9 @@ def test_the_probe_seeds_each_drafters_history_in_both_bands_and_leaves_nothing_
     e0, e1 = learner.draft_cost("draft")
     assert learner.draft_fit["draft"].fit() == (e0, e1) and e1 > 0 and e0 + e1 > 0
     assert learner.propose_log is None and "draft" not in plain.engine.spec.learner.draft_fit
+    c0, c1 = learner.catch_up["draft"].fit()              # its requests' prompt reads: a catch-up line
+    assert c1 > 0 and c0 + c1 > 0 and learner.catch_up_log is None
+    assert "draft" not in plain.engine.spec.learner.catch_up
     assert probed.engine.spec.learner.cost.steps == 0       # its steps' shape does not set the step line
     assert not probed.engine.live
     assert_no_leaks(probed)

@@ -42,6 +42,12 @@ RUN_PRIOR = 2.0           # runs the server's mean counts for beside a request's
 # A drafter's cost line from the probe's timed depths (set_draft_prior) counts for this many proposes in all,
 # so that it stands before any traffic (MIN_FIT_STEPS) and later proposes set its level, not its slope.
 DRAFT_PRIOR_PROPOSES = float(MIN_FIT_STEPS)
+# Catch-ups a drafter's catch-up line needs before it prices by rows (until then: one draft forward), and what
+# the start-up probe's prompt catch-ups count for as its prior (set_catch_up_prior). A drafter `auto` seldom
+# switches to never reached MIN_FIT_STEPS: after 16 agentic turns at T = 0 MTP had one catch-up booked, was
+# priced at ~0.9 ms for first uses of 200-600 rows (5-8 ms), and its 23 steps took 15.6 ms each beside 9.3 for
+# suffix's.
+CATCH_UP_MIN_STEPS = 6
 
 
 class DraftCosts:
@@ -55,6 +61,7 @@ class DraftCosts:
         self.runs: dict[tuple[str, str], list[float]] = {}    # (drafter, band) -> decayed [steps, runs]
         self.request_runs: dict[str, dict[str, list[int]]] = {}   # request id -> drafter -> [steps, runs]
         self.propose_log: list[tuple[str, int, float]] | None = None   # (method, depth, s) while recording
+        self.catch_up_log: list[tuple[str, int, float]] | None = None  # (method, rows, s) while recording
 
     def observe_propose(self, method: str, seconds: float, steps: int) -> None:
         """A model drafter's propose call: `steps` draft forwards (its depth) took `seconds`. A call whose
@@ -113,9 +120,26 @@ class DraftCosts:
     def observe_catch_up(self, method: str, seconds: float, rows: int) -> None:
         """A model drafter caught `auto` requests up on `rows` rows it had skipped (a head reading its state
         stash, a draft model its unseen tokens) in `seconds` (server/engine/catch_up.py): one forward, so
-        fitted as c0 + c1 * rows like a step."""
+        fitted as c0 + c1 * rows like a step, from CATCH_UP_MIN_STEPS of them (set_catch_up_prior's included)."""
         if rows > 0:
-            self.catch_up.setdefault(method, StepCostModel()).observe(rows, seconds)
+            self.catch_up.setdefault(method, StepCostModel(min_steps=CATCH_UP_MIN_STEPS)).observe(rows, seconds)
+
+    def set_catch_up_prior(self, method: str, log: list[tuple[str, int, float]]) -> tuple[float, float] | None:
+        """Start `method`'s catch-up line from catch-ups timed at several row counts (the start-up probe's
+        requests reading their prompts, from catch_up_log), together worth CATCH_UP_MIN_STEPS catch-ups, which
+        never decay: `auto` prices a first switch by rows at once, and once it has switched that often its own
+        catch-ups set the line's level (a probe request's prompt read took 1.5 ms + 22 µs a row with EAGLE-3,
+        an `auto` request's first switch ~5 ms at 300 rows where the line says 8). Returns the line, or None
+        (and changes nothing) where the rows timed do not spread."""
+        samples = [(rows, seconds) for m, rows, seconds in log if m == method and rows > 0]
+        if len({rows for rows, _ in samples}) < 2:
+            return None
+        model = StepCostModel(min_steps=CATCH_UP_MIN_STEPS)
+        model.set_prior(samples, CATCH_UP_MIN_STEPS / len(samples))
+        if model.fit() is None:
+            return None
+        self.catch_up[method] = model
+        return model.fit()
 
     def observe_run(self, method: str, steps: int, band: str, request_id: str | None = None) -> None:
         """An `auto` request's run with model drafter `method` ended after `steps` steps in a row."""

@@ -112,7 +112,7 @@ class SpecDispatcher:
             per_depth = drafts_per_depth(method)
             drafter = self._drafter(method, by_auto) if per_depth else None
             if drafter is not None:
-                drafter.last_catch_up_s = 0.0      # the hybrid's drafter may not run this step
+                drafter.last_catch_up_s, drafter.last_catch_up_rows = 0.0, 0   # the hybrid's may not run
             t0 = time.perf_counter()
             if by_auto:
                 proposal = self.speculators["auto"].drafts(method, reqs, ks)
@@ -128,6 +128,9 @@ class SpecDispatcher:
                         self.learner.observe_catch_up(method, drafter.last_catch_up_s, rows)
                     for r in reqs:
                         self.ledger.drafted(r, method)
+                elif self.learner.catch_up_log is not None and drafter.last_catch_up_rows > 0:
+                    # the start-up probe's requests read their prompts: their catch-up line's prior
+                    self.learner.catch_up_log.append((method, drafter.last_catch_up_rows, drafter.last_catch_up_s))
             elif not by_auto:                # auto's lookups ran before it chose (their drafts are reused)
                 self.learner.observe_lookup(method, seconds, len(reqs))
             for j, i in enumerate(idx):

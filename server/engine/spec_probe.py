@@ -35,6 +35,11 @@ prompt catch-up, and the line they left read EAGLE-3 at 1.82 ms a depth where it
 (`auto` then rated every drafter below plain decoding at T = 0.8); their mean per depth spreads a propose's
 fixed part over 8 depths and priced the draft model's depth 1 at 3.1 ms where it costs 4.6.
 
+Every request of the probe first reads its prompt (a head from the target's state stash, the draft model its
+own forward over it), at 40-400 rows: the same forward as an `auto` request's switch to a drafter, which those
+reads start the catch-up line of (DraftCosts.set_catch_up_prior), so that `auto` prices a switch by its rows
+from the first (one draft forward for any rows, before: MTP's 5-8 ms first uses on agentic turns read ~0.9 ms).
+
 The probe leaves nothing behind but that history and the drafters' costs: the propose lines, follow-up and
 catch-up. Not the step-time fit: its steps (every drafter's request at once, k + 1 rows each)
 are not traffic's shape, and a line centred on such steps read a lone request's step as 1.3 ms + 0.73 ms
@@ -98,23 +103,15 @@ def probe_drafters(engine, tokens: int, k: int = PROBE_K) -> dict[tuple[str, str
     prompts += [long_ids[:n] for n in lengths
                 if n <= len(long_ids) and n + tokens + k + 1 <= engine.max_model_len]
     ids = []
-    for t, (j, prompt) in itertools.product(PROBE_TEMPERATURES, enumerate(prompts)):
-        for method in methods:        # a round per text and temperature: a drafter's forward has one row
-            new = min(tokens if j < len(PROBE_TEXTS) else tokens // 2, engine.max_model_len - len(prompt) - k - 1)
-            params = SamplingParams(temperature=t, max_tokens=max(new, 1), ignore_eos=True,
-                                    seed=PROBE_SEED if t else None)
-            rid = f"probe-{method}-{t}-{j}"
-            try:
-                engine.add_request(rid, prompt, params, SpecParams(method, k, adaptive=False))
-            except ValueError as exc:        # a KV cache too small for it: probe the rest
-                log.info("speculation probe: %s skipped (%s)", rid, exc)
-                continue
-            ids.append(rid)
-        while engine.has_work:
-            engine.step()
     learner = engine.spec.learner
-    counts = {key: (row[0], row[1]) for key, row in learner.history.traffic.items()}   # before the cost round
-    lines = time_drafters(engine, methods, prompts[0], k)
+    learner.catch_up_log = []            # each request's prompt read, at its prompt's rows: set_catch_up_prior
+    try:
+        run_rounds(engine, methods, prompts, tokens, k, ids)
+        counts = {key: (row[0], row[1]) for key, row in learner.history.traffic.items()}   # before the cost round
+        lines = time_drafters(engine, methods, prompts[0], k)
+        catch_ups = {m: learner.set_catch_up_prior(m, learner.catch_up_log) for m in methods}
+    finally:
+        learner.catch_up_log = None
     learner.cost.forget()            # its steps' shape (every drafter's requests at once) is not traffic's
     history = learner.history
     seen = {}
@@ -129,12 +126,33 @@ def probe_drafters(engine, tokens: int, k: int = PROBE_K) -> dict[tuple[str, str
         for bucket in sorted({context_bucket(len(p)) for p in prompts} - {0}):
             history.set_probe_context(band, bucket, {m: counts.get((m, band, bucket), (0.0, 0.0)) for m in methods})
     log.info("speculation probe (%d requests x %d tokens, %.1f s): acceptance per position %s; at longer "
-             "contexts %s; propose %s", len(ids), tokens, time.perf_counter() - start,
+             "contexts %s; propose %s; catch-up %s", len(ids), tokens, time.perf_counter() - start,
              ", ".join(f"{m} {b} {a:.2f}" for (m, b), a in sorted(seen.items())),
              ", ".join(f"{m} {b} {CONTEXT_BASE << (c - 1)}+ {a:.2f}"
                        for (m, b, c), a in sorted(history.probed_context.items())) or "none",
-             ", ".join(f"{m} {e0 * 1e3:.2f} + {e1 * 1e3:.2f} ms x depth" for m, (e0, e1) in lines.items()) or "untimed")
+             ", ".join(f"{m} {e0 * 1e3:.2f} + {e1 * 1e3:.2f} ms x depth" for m, (e0, e1) in lines.items()) or "untimed",
+             ", ".join(f"{m} {c[0] * 1e3:.2f} ms + {c[1] * 1e6:.1f} µs x row" for m, c in catch_ups.items() if c)
+             or "untimed")
     return seen
+
+
+def run_rounds(engine, methods: list[str], prompts: list[list[int]], tokens: int, k: int, ids: list[str]) -> None:
+    """The acceptance rounds: each prompt at each temperature, every drafter's request at once (ids: those
+    added)."""
+    for t, (j, prompt) in itertools.product(PROBE_TEMPERATURES, enumerate(prompts)):
+        for method in methods:        # a round per text and temperature: a drafter's forward has one row
+            new = min(tokens if j < len(PROBE_TEXTS) else tokens // 2, engine.max_model_len - len(prompt) - k - 1)
+            params = SamplingParams(temperature=t, max_tokens=max(new, 1), ignore_eos=True,
+                                    seed=PROBE_SEED if t else None)
+            rid = f"probe-{method}-{t}-{j}"
+            try:
+                engine.add_request(rid, prompt, params, SpecParams(method, k, adaptive=False))
+            except ValueError as exc:        # a KV cache too small for it: probe the rest
+                log.info("speculation probe: %s skipped (%s)", rid, exc)
+                continue
+            ids.append(rid)
+        while engine.has_work:
+            engine.step()
 
 
 def time_drafters(engine, methods: list[str], prompt: list[int], k: int) -> dict[str, tuple[float, float]]:

@@ -36,12 +36,15 @@ class StepCostModel:
     fit() computes the line on its first read after a sample and keeps it until the next one: the goodput
     policy and `auto` read it for every request and candidate of every step."""
 
-    def __init__(self, decay: float = FIT_DECAY, floor_n: int = 0, min_spread: float = MIN_SPREAD) -> None:
+    def __init__(self, decay: float = FIT_DECAY, floor_n: int = 0, min_spread: float = MIN_SPREAD,
+                 min_steps: int = MIN_FIT_STEPS) -> None:
         """floor_n: the least N the line prices (0 for a forward; a draft's depth starts at 1): its t0 may fall
-        below 0 as long as the line is not negative there. min_spread: the variance of N the fit needs."""
+        below 0 as long as the line is not negative there. min_spread: the variance of N the fit needs.
+        min_steps: the samples it needs (prior included) before it fits."""
         self.decay = decay
         self.floor_n = floor_n
         self.min_spread = min_spread
+        self.min_steps = min_steps
         self.w = self.sn = self.snn = self.st = self.snt = 0.0
         self.steps = 0
         self.prior = (0.0, 0.0, 0.0, 0.0, 0.0)   # (w, sn, snn, st, snt) of the calibration; never decays
@@ -79,7 +82,7 @@ class StepCostModel:
 
     def _fit(self) -> tuple[float, float] | None:
         pw, psn, psnn, pst, psnt = self.prior
-        if self.steps + pw < MIN_FIT_STEPS:
+        if self.steps + pw < self.min_steps:
             return None
         w = self.w + pw
         mean_n, mean_t = (self.sn + psn) / w, (self.st + pst) / w
@@ -92,7 +95,7 @@ class StepCostModel:
         if (ss_p + ss_o) / w < self.min_spread:
             return None
         t1 = max((sp_p + sp_o) / (ss_p + ss_o), 1e-7)
-        if self.steps >= MIN_FIT_STEPS:          # the level of what was really seen
+        if self.steps >= self.min_steps:          # the level of what was really seen
             mean_n, mean_t = self.sn / self.w, self.st / self.w
         # A slope steeper than the mean allows: the line through 0 at floor_n and the mean (a clamped t0 under
         # the fitted slope priced every size above it: EAGLE-3's drafts read 1.32 ms a depth against a 0.93 ms
