@@ -1,6 +1,7 @@
-"""The ratings and per-depth acceptances AcceptanceHistory keeps between counts (rating, depth_alphas): a count
-drops exactly what it changes, so a kept answer is always the one a fresh computation gives, and a lookup's
-count (most steps of a batch-1 `auto` request) leaves the drafters' ratings kept."""
+"""The ratings, levels and per-depth acceptances AcceptanceHistory keeps between counts (rating, level,
+depth_alphas) and its index of each drafter's context buckets: a count drops exactly what it changes, so a kept
+answer is always the one a fresh computation gives, and a lookup's count (most steps of a batch-1 `auto` request)
+leaves the drafters' ratings kept."""
 import random
 
 import pytest
@@ -23,14 +24,20 @@ def _probed() -> AcceptanceHistory:
 
 
 def _fresh(history: AcceptanceHistory, method: str, band: str, depth: int) -> tuple:
-    kept_rated, kept_depths, kept_raw = dict(history._rated), dict(history._depth_rated), dict(history._raw)
-    history._rated.clear()
-    history._raw.clear()
-    history._depth_rated.clear()
+    kept = [dict(history._rated), dict(history._depth_rated), dict(history._raw), dict(history._levels)]
+    for cache in (history._rated, history._raw, history._depth_rated, history._levels):
+        cache.clear()
     try:
         return history.rating(method, band, CONTEXTS[1]), history.depth_alphas(method, band, depth)
     finally:
-        history._rated, history._depth_rated, history._raw = kept_rated, kept_depths, kept_raw
+        history._rated, history._depth_rated, history._raw, history._levels = kept
+
+
+def _buckets_in_order(history: AcceptanceHistory) -> dict:
+    out: dict = {}
+    for m, b, c in history.long:
+        out.setdefault((m, b), []).append(c)
+    return out
 
 
 def test_every_kept_rating_and_depth_acceptance_is_what_a_fresh_computation_gives():
@@ -44,6 +51,9 @@ def test_every_kept_rating_and_depth_acceptance_is_what_a_fresh_computation_give
             history.observe_offer(method, draft, accepted, band)
         else:
             history.observe(method, draft, accepted, band, watch=method in DRAFTERS, context=rng.choice(CONTEXTS))
+        if rng.random() < 0.02:                 # a drafter probed again: its traffic starts over
+            history.set_probe(rng.choice(DRAFTERS), band, 200.0, 400.0)
+        assert history._long_buckets == _buckets_in_order(history)
         for m in DRAFTERS + LOOKUPS:            # read everything, so that the next count meets a full cache
             for b in BANDS:
                 kept = (history.rating(m, b, CONTEXTS[1]), history.depth_alphas(m, b, 6))

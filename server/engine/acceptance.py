@@ -105,8 +105,10 @@ class AcceptanceHistory:
         # slow's memory (traffic, the levels) and RATIO_DECAY's (long, a drafter's ratio)
         self.traffic: dict[tuple[str, str, int], list[float]] = {}
         self.long: dict[tuple[str, str, int], list[float]] = {}
+        self._long_buckets: dict[tuple[str, str], list[int]] = {}    # (method, band) -> its buckets in `long`
         self._rated: dict[tuple[str, str, int], float | None] = {}   # rating()'s answers until the next count
         self._raw: dict[str, dict[int, float]] = {}      # band -> bucket -> long's unshrunk level (_raw_levels)
+        self._levels: dict[tuple[str, int], float] = {}   # level()'s answers until the next count
         # (lookup, band) -> [reached, accepted] per depth of the drafts `auto` offered (observe_offer)
         self.depths: dict[tuple[str, str], list[list[float]]] = {}
         self._depth_rated: dict[tuple[str, str, int], list[float]] = {}   # depth_alphas' until the next count
@@ -130,6 +132,8 @@ class AcceptanceHistory:
         self._counted(method, band)
         bucket = context_bucket(context)
         predicted = attempted * (self.probe_at(method, band, bucket) or 0.0)
+        if (method, band, bucket) not in self.long:
+            self._long_buckets.setdefault(key, []).append(bucket)
         for counts, decay in ((self.traffic, METHOD_DECAY), (self.long, RATIO_DECAY)):
             seen = counts.setdefault((method, band, bucket), [0.0, 0.0, 0.0])
             seen[0] = seen[0] * decay + num_accepted
@@ -181,6 +185,7 @@ class AcceptanceHistory:
         for counts in (self.traffic, self.long):
             for key in [key for key in counts if key[:2] == (method, band)]:
                 del counts[key]
+        self._long_buckets.pop((method, band), None)
         self._forget()
         self._depth_rated.clear()
 
@@ -220,13 +225,16 @@ class AcceptanceHistory:
         attempted, shrunk towards 1 by LEVEL_WEIGHT (1 with no traffic there yet). Per bucket: the server's
         long requests may be harder text than its short ones (agentic turns against completions), and
         which drafter drafts them depends on the context, so one level would charge a long request's harder
-        text to the drafter that drafts long requests."""
-        accepted = expected = 0.0
-        for (m, b, c), row in self.traffic.items():
-            if b == band and c == bucket and (m, b) in self.probed:
-                accepted += row[0]
-                expected += row[2]
-        return _shrunk_level(accepted, expected)
+        text to the drafter that drafts long requests. Kept until the next count: every drafter's rating
+        reads it."""
+        if (band, bucket) not in self._levels:
+            accepted = expected = 0.0
+            for (m, b, c), row in self.traffic.items():
+                if b == band and c == bucket and (m, b) in self.probed:
+                    accepted += row[0]
+                    expected += row[2]
+            self._levels[(band, bucket)] = _shrunk_level(accepted, expected)
+        return self._levels[(band, bucket)]
 
     def traffic_positions(self, method: str, band: str) -> float:
         """The positions `method` drafted in `band` since the probe, over the ratio's memory (all contexts)."""
@@ -271,10 +279,10 @@ class AcceptanceHistory:
             return None
         raw = self._raw_levels(band)
         acc = predicted = 0.0
-        for (m, b, c), row in self.long.items():      # each bucket's positions at its level there, unshrunk
-            if (m, b) == (method, band):
-                acc += row[0]
-                predicted += row[2] * raw[c]
+        for c in self._long_buckets.get((method, band), ()):   # each bucket's positions at its level there, unshrunk
+            row = self.long[(method, band, c)]
+            acc += row[0]
+            predicted += row[2] * raw[c]
         ratio = (acc + RATIO_WEIGHT) / (predicted + RATIO_WEIGHT)
         return min(max(p * self.level(band, bucket) * ratio, 0.01), 0.999)
 
@@ -296,6 +304,7 @@ class AcceptanceHistory:
         """Drop the ratings kept until the next count."""
         self._rated.clear()
         self._raw.clear()
+        self._levels.clear()
 
     def _counted(self, method: str, band: str) -> None:
         """Drop what a count of (method, band) changes: every rating where the method is probed (the levels
