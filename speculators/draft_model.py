@@ -189,9 +189,8 @@ class DraftModelSpeculator(Speculator):
         logits = self._forward([item.state for item in live], first_tokens, ends)   # [a, vocab]
         # a first forward over more than the usual 1-2 unseen tokens per request is mostly catch-up
         unseen = sum(len(t) for t in first_tokens)
-        self.last_catch_up_s = (time.perf_counter() - start) * (1 - 2 * len(live) / unseen) \
-            if unseen > 2 * len(live) else 0.0
-        self.last_catch_up_rows = unseen - 2 * len(live) if unseen > 2 * len(live) else 0
+        self.last_catch_up_rows = max(unseen - 2 * len(live), 0)
+        self.last_catch_up_s = (time.perf_counter() - start) * self.last_catch_up_rows / max(unseen, 1)
         for item, end in zip(live, ends):
             item.state.num_confirmed = end
             item.state.speculative = []

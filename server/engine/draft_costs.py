@@ -136,10 +136,10 @@ class DraftCosts:
             return None
         model = StepCostModel(min_steps=CATCH_UP_MIN_STEPS)
         model.set_prior(samples, CATCH_UP_MIN_STEPS / len(samples))
-        if model.fit() is None:
-            return None
-        self.catch_up[method] = model
-        return model.fit()
+        line = model.fit()
+        if line is not None:
+            self.catch_up[method] = model
+        return line
 
     def observe_run(self, method: str, steps: int, band: str, request_id: str | None = None) -> None:
         """An `auto` request's run with model drafter `method` ended after `steps` steps in a row."""

@@ -102,11 +102,10 @@ def probe_drafters(engine, tokens: int, k: int = PROBE_K) -> dict[tuple[str, str
     lengths = [3 * CONTEXT_BASE * 2 ** (b - 1) // 2 for b in range(1, PROBE_CONTEXT_BUCKETS + 1)]
     prompts += [long_ids[:n] for n in lengths
                 if n <= len(long_ids) and n + tokens + k + 1 <= engine.max_model_len]
-    ids = []
     learner = engine.spec.learner
     learner.catch_up_log = []            # each request's prompt read, at its prompt's rows: set_catch_up_prior
     try:
-        run_rounds(engine, methods, prompts, tokens, k, ids)
+        ids = run_rounds(engine, methods, prompts, tokens, k)
         counts = {key: (row[0], row[1]) for key, row in learner.history.traffic.items()}   # before the cost round
         lines = time_drafters(engine, methods, prompts[0], k)
         catch_ups = {m: learner.set_catch_up_prior(m, learner.catch_up_log) for m in methods}
@@ -136,9 +135,10 @@ def probe_drafters(engine, tokens: int, k: int = PROBE_K) -> dict[tuple[str, str
     return seen
 
 
-def run_rounds(engine, methods: list[str], prompts: list[list[int]], tokens: int, k: int, ids: list[str]) -> None:
-    """The acceptance rounds: each prompt at each temperature, every drafter's request at once (ids: those
-    added)."""
+def run_rounds(engine, methods: list[str], prompts: list[list[int]], tokens: int, k: int) -> list[str]:
+    """The acceptance rounds: each prompt at each temperature, every drafter's request at once. Returns the ids
+    of the requests added."""
+    ids = []
     for t, (j, prompt) in itertools.product(PROBE_TEMPERATURES, enumerate(prompts)):
         for method in methods:        # a round per text and temperature: a drafter's forward has one row
             new = min(tokens if j < len(PROBE_TEXTS) else tokens // 2, engine.max_model_len - len(prompt) - k - 1)
@@ -153,6 +153,7 @@ def run_rounds(engine, methods: list[str], prompts: list[list[int]], tokens: int
             ids.append(rid)
         while engine.has_work:
             engine.step()
+    return ids
 
 
 def time_drafters(engine, methods: list[str], prompt: list[int], k: int) -> dict[str, tuple[float, float]]:
